@@ -90,10 +90,10 @@ class Mesh:
         m = self.gpus_per_node
         if m < 1 or self.size < 1 or self.start < 0:
             raise ValueError(f"Mesh(start={self.start}, size={self.size}, gpus_per_node={m}) invalid")
-        if self.size <= m:
+        if self.size < m:
             if self.size & (self.size - 1) or self.start % self.size or m % self.size:
                 raise ValueError(
-                    f"mesh of {self.size} GPUs at {self.start}: a sub-node mesh must be a power of two "
+                    f"mesh of {self.size} GPUs at {self.start}: a mesh smaller than a node must be a power of two "
                     f"dividing gpus_per_node={m} and start at a multiple of its size"
                 )
         elif self.size % m or self.start % m:
@@ -184,11 +184,11 @@ class ClusterSpec:
         m = self.gpus_per_node
         out: list[Mesh] = []
         size = 1
-        while size <= m:
+        while size < m:
             if m % size == 0:
                 out.extend(Mesh(start, size, m) for start in range(0, self.n_gpus, size))
             size *= 2
-        for n in range(2, self.nodes + 1):
+        for n in range(1, self.nodes + 1):
             out.extend(Mesh(first * m, n * m, m) for first in range(self.nodes - n + 1))
         return tuple(out)
 

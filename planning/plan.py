@@ -17,8 +17,8 @@ class Placement:
     def __post_init__(self) -> None:
         if self.layout.world_size != self.mesh.size:
             raise ValueError(f"layout {self.layout} has {self.layout.world_size} ranks but mesh {self.mesh} has {self.mesh.size} GPUs")
-        if self.layout.tp > self.mesh.gpus_in_node:
-            raise ValueError(f"layout {self.layout}: tp={self.layout.tp} spans nodes of mesh {self.mesh}")
+        if self.mesh.gpus_in_node % self.layout.tp:
+            raise ValueError(f"layout {self.layout}: tp={self.layout.tp} groups would span nodes of mesh {self.mesh}")
 
     def gpu_of_rank(self, rank: int) -> int:
         """Global GPU index of mesh rank `rank` (ranks map to the mesh's GPUs in order)."""
