@@ -38,6 +38,7 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys only
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -85,6 +86,8 @@ class ModelSpec:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
+        if self.family == "mistral":
+            cfg["sliding_window"] = self.sliding_window
         if self.family == "llama":
             cfg["attention_bias"] = self.qkv_bias
             cfg["mlp_bias"] = False
@@ -107,7 +110,13 @@ class ModelSpec:
             raise ValueError(f"model_type {family!r}: unsupported; allowed: {', '.join(FAMILIES)}")
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
-        scaling = config.get("rope_scaling")
+        # transformers>=5 writes `rope_parameters` (rope_theta + scaling keys) instead of
+        # `rope_theta` + `rope_scaling`; accept both.
+        rope_params = dict(config.get("rope_parameters") or {})
+        rope_theta = rope_params.pop("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or rope_params
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
         eos = config.get("eos_token_id")
         return ModelSpec(
             name=name or family,
@@ -121,12 +130,13 @@ class ModelSpec:
             head_dim=config.get("head_dim") or hidden // heads,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            sliding_window=config.get("sliding_window") if family == "mistral" else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

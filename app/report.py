@@ -1,0 +1,250 @@
+"""What the planner reports to people: the per-call plan table, its JSON form and Gantt charts.
+
+`plan_report` collects, for a chosen plan, each call's placement and estimated time and memory
+into a frozen `PlanReport`; `format_plan_table` and `plan_json` render it for the terminal and
+for machines. `draw_gantt` draws any list of `GanttBar`s (one row per GPU), so the same function
+draws the simulator's estimated timeline (`simulated_bars`) and, later, measured timelines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planning.cost import PlanningProblem, call_cost
+from planning.hardware import GiB
+from planning.plan import ExecutionPlan
+from planning.simulate import SimResult
+
+GANTT_WIDTH_IN = 12.0
+GANTT_FONT_PT = 7
+
+
+@dataclass(frozen=True)
+class CallRow:
+    """One call of a plan with its placement and the cost model's estimates."""
+
+    name: str
+    role: str
+    kind: str
+    mesh: str
+    dp: int
+    tp: int
+    pp: int
+    est_time_s: float
+    est_mem_gib: float
+    feasible: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan and its estimates next to the symmetric baseline's."""
+
+    algorithm: str
+    cluster: str
+    mode: str
+    calls: tuple[CallRow, ...]
+    est_iteration_s: float
+    baseline_iteration_s: float
+    search_s: float
+    evaluated_plans: int
+    peak_mem_gib: float  # fullest GPU over the simulated iterations: resident weights + largest transient
+    gpu_mem_gib: float  # usable memory of one GPU
+
+    @property
+    def speedup(self) -> float:
+        """baseline / chosen iteration time; nan when either is not a finite positive time."""
+        if _finite(self.baseline_iteration_s) and _finite(self.est_iteration_s) and self.est_iteration_s > 0:
+            return self.baseline_iteration_s / self.est_iteration_s
+        return math.nan
+
+
+@dataclass(frozen=True)
+class GanttBar:
+    """One bar of a timeline: `row` (a GPU), [start_s, end_s), its text and kind (call, realloc, ...)."""
+
+    row: int
+    start_s: float
+    end_s: float
+    label: str
+    kind: str
+
+
+def plan_report(
+    problem: PlanningProblem,
+    plan: ExecutionPlan,
+    sim: SimResult,
+    *,
+    mode: str,
+    est_iteration_s: float,
+    baseline_iteration_s: float,
+    search_s: float,
+    evaluated_plans: int,
+) -> PlanReport:
+    """Rows of `plan` in graph order, each with call_cost's time and memory estimate; the peak
+    memory comes from `sim`, the simulation of `plan`."""
+    rows = []
+    for mfc in problem.graph.mfcs:
+        placement = plan[mfc.name]
+        cost = call_cost(problem, mfc, placement)
+        layout = placement.layout
+        rows.append(CallRow(mfc.name, mfc.role, mfc.kind, str(placement.mesh), layout.dp, layout.tp, layout.pp,
+                            cost.time_s, cost.mem_bytes / GiB, cost.feasible, cost.reason))
+    c = problem.cluster
+    return PlanReport(
+        algorithm=problem.graph.algorithm,
+        cluster=f"{c.nodes}x{c.gpus_per_node} {c.hardware.name}",
+        mode=mode,
+        calls=tuple(rows),
+        est_iteration_s=est_iteration_s,
+        baseline_iteration_s=baseline_iteration_s,
+        search_s=search_s,
+        evaluated_plans=evaluated_plans,
+        peak_mem_gib=max(sim.peak_mem_bytes.values(), default=0.0) / GiB,
+        gpu_mem_gib=c.hardware.mem_bytes / GiB,
+    )
+
+
+def format_plan_table(report: PlanReport) -> str:
+    """The per-call table and the summary lines, as printed by `python -m app plan`."""
+    header = ("call", "role", "kind", "mesh", "dp", "tp", "pp", "est. time", "est. mem GiB")
+    body = [
+        (r.name, r.role, r.kind, r.mesh, str(r.dp), str(r.tp), str(r.pp), _seconds(r.est_time_s),
+         _gib(r.est_mem_gib) + ("" if r.feasible else " (infeasible)"))
+        for r in report.calls
+    ]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    # Text columns align left, numbers right.
+    numeric = {4, 5, 6, 7, 8}
+
+    def line(cells: tuple[str, ...]) -> str:
+        padded = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    rule = "-" * len(line(header))
+    speedup = "n/a" if math.isnan(report.speedup) else f"{report.speedup:.2f}x"
+    summary = [
+        f"{report.algorithm} on {report.cluster}, plan mode {report.mode}",
+        f"estimated iteration time: {_seconds(report.est_iteration_s)}   "
+        f"symmetric baseline: {_seconds(report.baseline_iteration_s)}   speedup: {speedup}",
+        f"peak GPU memory: {_gib(report.peak_mem_gib)} of {_gib(report.gpu_mem_gib)} GiB",
+        f"search time: {report.search_s:.2f} s   evaluated plans: {report.evaluated_plans}",
+    ]
+    return "\n".join([line(header), rule, *map(line, body), rule, *summary])
+
+
+def plan_json(report: PlanReport) -> dict[str, Any]:
+    """The report as a JSON-ready dict; non-finite numbers become None (strict JSON has no inf)."""
+    return {
+        "algorithm": report.algorithm,
+        "cluster": report.cluster,
+        "mode": report.mode,
+        "calls": [
+            {"name": r.name, "role": r.role, "kind": r.kind, "mesh": r.mesh, "dp": r.dp, "tp": r.tp, "pp": r.pp,
+             "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}", "est_time_s": _json_number(r.est_time_s),
+             "est_mem_gib": _json_number(r.est_mem_gib), "feasible": r.feasible}
+            for r in report.calls
+        ],
+        "est_iteration_s": _json_number(report.est_iteration_s),
+        "baseline_iteration_s": _json_number(report.baseline_iteration_s),
+        "speedup": _json_number(report.speedup),
+        # The placements in the shape of the config's plan.manual section, so a plan can be pinned.
+        "plan": {r.name: {"mesh": r.mesh, "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}"} for r in report.calls},
+        "peak_mem_gib": _json_number(report.peak_mem_gib),
+        "gpu_mem_gib": report.gpu_mem_gib,
+        "search_s": report.search_s,
+        "evaluated_plans": report.evaluated_plans,
+    }
+
+
+def simulated_bars(sim: SimResult) -> list[GanttBar]:
+    """One bar per (task, GPU) of a simulated timeline; labels carry the iteration number.
+
+    Reallocation tasks ('realloc:actor_train->actor_gen') are labelled by their destination call.
+    """
+    bars = []
+    for task in sim.tasks:
+        name = "realloc>" + task.name.rsplit("->", 1)[-1] if task.kind == "realloc" else task.name
+        label = f"{name} #{task.iteration}"
+        bars.extend(GanttBar(gpu, task.start_s, task.end_s, label, task.kind) for gpu in task.gpus)
+    return bars
+
+
+def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: int | None = None) -> None:
+    """Draw `bars` as a timeline PNG at `path`: one row per GPU, bars coloured by call name.
+
+    Reallocations (kind 'realloc') are hatched grey; other kinds than 'call' are drawn lighter so
+    measured and estimated bars of the same call can share a chart. Bars too narrow for their
+    text are left unlabelled; the legend names every colour.
+    """
+    # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    rows = max(n_rows if n_rows is not None else max((b.row for b in bars), default=-1) + 1, 1)
+    end = max((b.end_s for b in bars), default=1.0) or 1.0
+    fig = Figure(figsize=(GANTT_WIDTH_IN, min(2.0 + 0.35 * rows, 40)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours = _colours_by_call(bars)
+    # Seconds one character of the bar text spans: the axes are ~75% of the figure width.
+    char_s = end * GANTT_FONT_PT * 0.55 / (GANTT_WIDTH_IN * 72 * 0.75)
+    for bar in bars:
+        width = max(bar.end_s - bar.start_s, 0.0)
+        realloc = bar.kind == "realloc"
+        ax.barh(bar.row, width, left=bar.start_s, height=0.8,
+                color="0.75" if realloc else colours[_call_name(bar.label)],
+                alpha=1.0 if bar.kind in ("call", "realloc") else 0.55,
+                hatch="//" if realloc else None, edgecolor="black", linewidth=0.4)
+        if width > (len(bar.label) + 1) * char_s:
+            ax.text(bar.start_s + width / 2, bar.row, bar.label, ha="center", va="center",
+                    fontsize=GANTT_FONT_PT, clip_on=True)
+    handles = [Patch(facecolor=colour, edgecolor="black", label=name) for name, colour in colours.items()]
+    if any(b.kind == "realloc" for b in bars):
+        handles.append(Patch(facecolor="0.75", hatch="//", edgecolor="black", label="reallocation"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=GANTT_FONT_PT + 1, frameon=False)
+    ax.set_ylim(rows - 0.5, -0.5)  # GPU 0 at the top
+    ax.set_yticks(range(rows), [f"GPU {r}" for r in range(rows)], fontsize=GANTT_FONT_PT)
+    ax.set_xlim(0, end * 1.01)
+    ax.set_xlabel("time (s)")
+    ax.set_title(title)
+    ax.grid(axis="x", linestyle=":", linewidth=0.5)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png", dpi=110)
+
+
+def _colours_by_call(bars: list[GanttBar]) -> dict[str, Any]:
+    """A stable colour per call name (first appearance order), cycling a qualitative palette."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]
+    names = list(dict.fromkeys(_call_name(b.label) for b in bars if b.kind != "realloc"))
+    return {name: palette(i % 10) for i, name in enumerate(names)}
+
+
+def _call_name(label: str) -> str:
+    """'actor_gen #1' -> 'actor_gen': bars of every iteration of a call share a colour."""
+    return label.split(" #", 1)[0]
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _json_number(x: float) -> float | None:
+    return float(x) if _finite(x) else None
+
+
+def _gib(x: float) -> str:
+    # Tiny CPU models use KiBs: keep two significant digits instead of printing 0.0.
+    return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _seconds(x: float) -> str:
+    if not _finite(x):
+        return "infeasible"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
