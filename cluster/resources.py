@@ -1,0 +1,220 @@
+"""Connect to Ray (or start a local instance) and describe its GPUs as a `ClusterSpec`.
+
+The planner reasons about N nodes x M identical GPUs, numbered globally `node * M + local`.
+This module turns the live Ray cluster into that picture: it connects to `RAY_ADDRESS` (or an
+explicit address), or starts a local Ray instance; it lists the alive nodes that hold GPUs in a
+deterministic order (head node first, then by IP and node id), checks that they all hold the same
+number of GPUs, and picks a `HardwareSpec` preset for the cost model.
+
+Without GPUs, `virtual_gpus=N` starts a local Ray whose only node advertises N "GPU" resources.
+Workers placed on them run on CPU with gloo, and the hardware preset is "cpu". That is how the
+tests and the quick-start run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from planning.hardware import HARDWARE_PRESETS, hardware_preset
+from planning.layout import ClusterSpec
+
+# Substrings of torch.cuda.get_device_name() -> hardware preset; checked in order.
+GPU_NAME_TO_PRESET: tuple[tuple[str, str], ...] = (
+    ("H200", "h200-141g"),
+    ("H100", "h100-80g"),
+    ("A100", "a100-80g"),
+)
+DEFAULT_GPU_PRESET = "h100-80g"
+VIRTUAL_GPU_PRESET = "cpu"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+# The directory holding the planning/, actors/, cluster/ and app/ packages.
+PACKAGES_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class RayStartOptions:
+    """How to reach Ray.
+
+    address: a Ray address to connect to; None means `RAY_ADDRESS` if set, else start locally.
+    virtual_gpus: > 0 starts a local Ray advertising this many GPUs on CPU (gloo workers);
+        incompatible with connecting to an existing cluster.
+    num_cpus: CPUs of a locally started instance (None: Ray's default, all cores).
+    include_dashboard: start the dashboard of a local instance (False on the GPU test machine).
+    hardware: a HardwareSpec preset name forcing the cost model's hardware; None detects it.
+    """
+
+    address: str | None = None
+    virtual_gpus: int = 0
+    num_cpus: int | None = None
+    include_dashboard: bool = True
+    hardware: str | None = None
+
+    def __post_init__(self) -> None:
+        # bool is an int in Python: reject it so `True` is not silently read as one GPU.
+        if isinstance(self.virtual_gpus, bool) or not isinstance(self.virtual_gpus, int) or self.virtual_gpus < 0:
+            raise ValueError(
+                f"cluster.virtual_gpus={self.virtual_gpus!r}: must be the number of virtual GPUs (an integer >= 0)"
+            )
+        if self.num_cpus is not None and (not isinstance(self.num_cpus, int) or self.num_cpus < 1):
+            raise ValueError(f"cluster.num_cpus={self.num_cpus!r}: must be a positive integer or None")
+        if self.hardware is not None and self.hardware not in HARDWARE_PRESETS:
+            raise ValueError(
+                f"cluster.hardware={self.hardware!r}: unknown; allowed: {', '.join(HARDWARE_PRESETS)}"
+            )
+
+    @property
+    def virtual(self) -> bool:
+        return self.virtual_gpus > 0
+
+
+@dataclass(frozen=True, slots=True)
+class RayNode:
+    """One alive Ray node that holds GPUs."""
+
+    node_id: str
+    ip: str
+    n_gpus: int
+    n_cpus: float
+    is_head: bool
+
+
+@dataclass(frozen=True)
+class RayClusterInfo:
+    """The Ray cluster as the planner and the placement code see it.
+
+    `nodes[i]` is planner node i: global GPUs `i * gpus_per_node ... (i + 1) * gpus_per_node - 1`.
+    """
+
+    spec: ClusterSpec
+    nodes: tuple[RayNode, ...]
+    virtual: bool
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend of the workers: gloo on virtual GPUs, nccl on real ones."""
+        return "gloo" if self.virtual else "nccl"
+
+    @property
+    def device(self) -> str:
+        """Device a worker computes on. Ray sets CUDA_VISIBLE_DEVICES, so a real GPU is cuda:0."""
+        return "cpu" if self.virtual else "cuda:0"
+
+
+def connect(options: RayStartOptions) -> RayClusterInfo:
+    """Connect to (or start) Ray as `options` say, then describe it.
+
+    If Ray is already initialised in this process (e.g. by a test fixture) it is reused.
+    """
+    if not ray.is_initialized():
+        ray.init(**ray_init_kwargs(options, os.environ.get("RAY_ADDRESS")))
+    return describe_cluster(virtual=options.virtual, hardware=options.hardware)
+
+
+def ray_init_kwargs(options: RayStartOptions, env_address: str | None) -> dict[str, Any]:
+    """Arguments for `ray.init` (pure, so the choice is testable without starting Ray)."""
+    address = options.address or env_address
+    if address and options.virtual:
+        raise ValueError(
+            f"cluster.virtual_gpus={options.virtual_gpus} starts a local Ray, but an address is set "
+            f"({address!r}, from {'cluster.address' if options.address else 'RAY_ADDRESS'}); "
+            "use one or the other"
+        )
+    if address:
+        return {"address": address}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": options.include_dashboard,
+        # The dashboard only listens on loopback: a local instance is not a service.
+        "dashboard_host": "127.0.0.1",
+    }
+    if options.num_cpus is not None:
+        kwargs["num_cpus"] = options.num_cpus
+    # Workers of a local instance must import our packages even when they are not installed:
+    # put the directory holding them first on the workers' PYTHONPATH.
+    search_path = [str(PACKAGES_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.pathsep.join(search_path)}}
+    if options.virtual:
+        kwargs["num_gpus"] = options.virtual_gpus
+    return kwargs
+
+
+def describe_cluster(virtual: bool, hardware: str | None = None) -> RayClusterInfo:
+    """`RayClusterInfo` of the Ray cluster this process is connected to."""
+    nodes = gpu_nodes(ray.nodes())
+    if virtual and len(nodes) != 1:
+        raise ValueError(
+            f"virtual GPUs need a single-node local Ray, but {len(nodes)} nodes hold GPUs: "
+            f"{', '.join(n.ip for n in nodes)}"
+        )
+    gpus_per_node = uniform_gpu_count(nodes)
+    preset = hardware or (VIRTUAL_GPU_PRESET if virtual else detect_hardware_preset())
+    spec = ClusterSpec(nodes=len(nodes), gpus_per_node=gpus_per_node, hardware=hardware_preset(preset))
+    return RayClusterInfo(spec=spec, nodes=nodes, virtual=virtual)
+
+
+def gpu_nodes(ray_nodes: list[dict[str, Any]]) -> tuple[RayNode, ...]:
+    """Alive nodes holding GPUs from `ray.nodes()` records: head first, then by IP, then id."""
+    nodes = []
+    for record in ray_nodes:
+        resources = record.get("Resources", {})
+        n_gpus = resources.get("GPU", 0)
+        if not record.get("Alive", False) or n_gpus <= 0:
+            continue
+        if n_gpus != int(n_gpus):
+            raise ValueError(
+                f"node {record['NodeManagerAddress']} ({record['NodeID']}) advertises GPU={n_gpus}: "
+                "a fractional GPU count cannot be split into one worker per GPU"
+            )
+        nodes.append(RayNode(
+            node_id=record["NodeID"],
+            ip=record["NodeManagerAddress"],
+            n_gpus=int(n_gpus),
+            n_cpus=float(resources.get("CPU", 0.0)),
+            is_head=HEAD_NODE_RESOURCE in resources,
+        ))
+    if not nodes:
+        raise ValueError(
+            "the Ray cluster has no alive node with GPUs; on a machine without GPUs set "
+            "cluster.virtual_gpus to N to run N CPU workers"
+        )
+    return tuple(sorted(nodes, key=lambda n: (not n.is_head, n.ip, n.node_id)))
+
+
+def uniform_gpu_count(nodes: tuple[RayNode, ...]) -> int:
+    """The GPU count every node shares; a clear error naming the nodes if they differ."""
+    counts = {node.n_gpus for node in nodes}
+    if len(counts) != 1:
+        listing = ", ".join(f"{n.ip} ({n.node_id[:8]}): {n.n_gpus}" for n in nodes)
+        raise ValueError(
+            f"nodes hold different numbers of GPUs ({listing}); the planner needs N nodes of M "
+            "identical GPUs, so give every node the same GPU count"
+        )
+    return counts.pop()
+
+
+def preset_for_gpu_name(gpu_name: str | None) -> str:
+    """Hardware preset for a CUDA device name; "cpu" for None (no CUDA), H100 when unknown."""
+    if gpu_name is None:
+        return VIRTUAL_GPU_PRESET
+    upper = gpu_name.upper()
+    for marker, preset in GPU_NAME_TO_PRESET:
+        if marker in upper:
+            return preset
+    return DEFAULT_GPU_PRESET
+
+
+def detect_hardware_preset(timeout_s: float = 120.0) -> str:
+    """Ask one GPU of the cluster its device name (a tiny task) and map it to a preset."""
+    task = ray.remote(num_gpus=1, num_cpus=0)(_cuda_device_name)
+    return preset_for_gpu_name(ray.get(task.remote(), timeout=timeout_s))
+
+
+def _cuda_device_name() -> str | None:
+    """Runs on a GPU bundle: the device name, or None where torch sees no CUDA device."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
