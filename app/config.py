@@ -26,6 +26,7 @@ from planning.hardware import HARDWARE_PRESETS, GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset, validate_tp
 from planning.plan import ExecutionPlan, Placement
+from app.train_config import CheckpointConfig, DataConfig, PPOConfig, RewardConfig, SamplingConfig, TrackingConfig
 
 # Bytes per parameter that must live somewhere in the cluster: bf16 weights (2) for every model;
 # trained models add bf16 grads (2) and the optimizer state (fp32 master + AdamW m, v: 12).
@@ -140,14 +141,22 @@ class PlanConfig(_Section):
 
 
 class RunConfig(_Section):
-    """Name of the run and the directory its outputs go under."""
+    """Name of the run, its directory (None: runs/<name>-<time>), training length and timeouts.
+
+    call_timeout_s: the driver gives up on a call (naming it and its workers) after this long;
+    collective_timeout_s: torch.distributed timeout, so a stalled collective raises in the worker.
+    """
 
     name: str = "realray"
-    dir: str = "runs"
+    dir: str | None = None
+    iterations: int = Field(40, ge=1)
+    seed: int = 0
+    call_timeout_s: float = Field(600.0, gt=0)
+    collective_timeout_s: float = Field(300.0, gt=0)
 
 
 class ExperimentConfig(_Section):
-    """A whole experiment. Later sections (train, ppo, data, ...) are added beside these."""
+    """A whole experiment: the planning sections, then the ones only training reads (app/train_config.py)."""
 
     algorithm: Literal["ppo", "grpo", "dpo", "remax"] = "ppo"
     models: ModelsConfig
@@ -155,6 +164,12 @@ class ExperimentConfig(_Section):
     cluster: ClusterConfig = ClusterConfig()
     plan: PlanConfig = PlanConfig()
     run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    ppo: PPOConfig = PPOConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 # ---- loading -------------------------------------------------------------------------------------

@@ -173,12 +173,13 @@ def simulated_bars(sim: SimResult) -> list[GanttBar]:
     return bars
 
 
-def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: int | None = None) -> None:
+def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: int | None = None,
+               row_labels: list[str] | None = None) -> None:
     """Draw `bars` as a timeline PNG at `path`: one row per GPU, bars coloured by call name.
 
     Reallocations (kind 'realloc') are hatched grey; other kinds than 'call' are drawn lighter so
     measured and estimated bars of the same call can share a chart. Bars too narrow for their
-    text are left unlabelled; the legend names every colour.
+    text are left unlabelled; the legend names every colour. `row_labels` replaces "GPU <row>".
     """
     # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -208,7 +209,8 @@ def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: 
         handles.append(Patch(facecolor="0.75", hatch="//", edgecolor="black", label="reallocation"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=GANTT_FONT_PT + 1, frameon=False)
     ax.set_ylim(rows - 0.5, -0.5)  # GPU 0 at the top
-    ax.set_yticks(range(rows), [f"GPU {r}" for r in range(rows)], fontsize=GANTT_FONT_PT)
+    labels = row_labels if row_labels is not None and len(row_labels) == rows else [f"GPU {r}" for r in range(rows)]
+    ax.set_yticks(range(rows), labels, fontsize=GANTT_FONT_PT)
     ax.set_xlim(0, end * 1.01)
     ax.set_xlabel("time (s)")
     ax.set_title(title)

@@ -115,7 +115,7 @@ def test_bad_override(override: str, field: str) -> None:
     ({"plan": {"seconds": 0}}, "plan.seconds", "greater than 0"),
     ({"plan": {"mode": "manual"}}, "plan.manual", "every call"),
     ({"plan": {"profile": "/nonexistent/profile.json"}}, "plan.profile", "profile JSON"),
-    ({"tracking": {"wandb": True}}, "tracking", "algorithm, models, batch, cluster, plan, run"),
+    ({"trainer": {"wandb": True}}, "trainer", "algorithm, models, batch, cluster, plan, run, data"),
 ])
 def test_schema_errors_name_field_value_and_allowed(change: dict[str, Any], field: str, allowed_part: str) -> None:
     error = expect_error(tiny_raw(**change), field)

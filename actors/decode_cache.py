@@ -1,0 +1,112 @@
+"""The KV cache generation uses: `actors.attention.KVCache` with a head-major layout and a decode
+attention that reads each cached K/V byte once.
+
+Why a subclass: decode is memory-bound, and its cost is reading the weights plus the cache. The
+base cache stores [n_seqs, max_len, n_kv, head_dim] and attends with SDPA on a transposed view and
+`enable_gqa`, which makes kernels copy or expand the cache. Here K/V are stored
+[n_seqs, n_kv, max_len, head_dim] (contiguous per KV head) and the query heads sharing a KV head
+are folded into the query-length axis: q [B, Hkv, group, D] against K/V [B, Hkv, L, D] is plain
+multi-head attention with `group` queries, so one fused kernel reads the cache once.
+
+`kernel` picks the decode attention: "sdpa" (one fused SDPA call with a length mask) or
+"matmul" (two batched matmuls and a float32 softmax over [B, Hkv, group, L]; on small query
+counts this can beat the fused kernels, which are tuned for long queries).
+
+`attend_len` (a host int, default max_len) limits decode attention to the first slots; the
+generation loop raises it in buckets as sequences grow, so early steps do not read empty slots
+(each bucket gets its own CUDA graph). The model calls `prefill` / `decode` exactly as on the base
+class; positions and lengths keep the base class's meaning.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actors.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
+from actors.packing import PackedBatch
+
+
+DECODE_KERNELS = ("sdpa", "matmul")
+
+
+class HeadMajorKVCache(KVCache):
+    """k[layer], v[layer]: [n_seqs, n_kv_local, max_len, head_dim]; lengths int64 [n_seqs]."""
+
+    def __init__(self, layers: dict[int, CacheLayerShape], n_seqs: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str, kernel: str = "sdpa") -> None:
+        if kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode attention kernel {kernel!r}: unknown; allowed: {', '.join(DECODE_KERNELS)}")
+        super().__init__({}, n_seqs, max_len, dtype, device)  # lengths and flags; buffers below
+        self.kernel = kernel
+        for idx, shape in layers.items():
+            size = (n_seqs, shape.n_kv_heads, max_len, shape.head_dim)
+            self.k[idx] = torch.zeros(size, dtype=dtype, device=device)
+            self.v[idx] = torch.zeros(size, dtype=dtype, device=device)
+        self.attend_len = max_len
+
+    @staticmethod
+    def for_model(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, kernel: str = "sdpa") -> HeadMajorKVCache:
+        """A cache sized for the attention layers `model` (a `Transformer` or stage) holds."""
+        layers = {int(idx): CacheLayerShape(layer.self_attn.n_kv_heads, layer.self_attn.head_dim)
+                  for idx, layer in model.model.layers.items()}
+        param = next(model.parameters())
+        return HeadMajorKVCache(layers, n_seqs, max_len, dtype or param.dtype, device or param.device, kernel)
+
+    def set_attend_len(self, attend_len: int) -> None:
+        """Attend over slots [0, attend_len) in decode; must cover every length + 1."""
+        if not 1 <= attend_len <= self.max_len:
+            raise ValueError(f"attend_len={attend_len}: must be in [1, max_len={self.max_len}]")
+        self.attend_len = attend_len
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
+                sliding_window: int | None, kv_index: Tensor | None) -> Tensor:
+        """Write packed prompt K/V [T, Hkv, D] into the cache and attend over the prompts."""
+        if batch.n_seqs != self.n_seqs:
+            raise ValueError(f"prefill: batch has {batch.n_seqs} sequences, cache holds {self.n_seqs}")
+        if batch.max_seqlen > self.max_len:
+            raise ValueError(f"prefill: prompt of {batch.max_seqlen} tokens exceeds cache max_len={self.max_len}")
+        seq, pos = batch.seq_ids(), batch.positions
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
+        self.k[layer][seq, :, pos] = k.to(self.k[layer].dtype)
+        self.v[layer][seq, :, pos] = v.to(self.v[layer].dtype)
+        return packed_attention(q, k, v, batch, backend, sliding_window, kv_index)
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sliding_window: int | None,
+               kv_index: Tensor | None) -> Tensor:
+        """Append one token per sequence (q [B, Hq, D], k/v [B, Hkv, D]) and attend over the
+        first `attend_len` slots. Static shapes, no host sync (CUDA-graph safe)."""
+        n_seqs, n_q, head_dim = q.shape
+        rows = torch.arange(n_seqs, device=q.device)
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        cache_k[rows, :, self.lengths] = k.to(cache_k.dtype)
+        cache_v[rows, :, self.lengths] = v.to(cache_v.dtype)
+        keys, values = cache_k[:, :, : self.attend_len], cache_v[:, :, : self.attend_len]  # [B, Hkv, L, D]
+        slots = torch.arange(self.attend_len, device=q.device)
+        visible = slots[None, :] <= self.lengths[:, None]  # [B, L], the new token included
+        if sliding_window is not None:
+            visible &= slots[None, :] > self.lengths[:, None] - sliding_window
+        mask = visible[:, None, None, :]  # broadcast over heads and queries
+        if kv_index is not None:
+            # K/V replicated under tp with a non-repeat head map: pick one KV head per query head.
+            keys, values = expand_kv_heads(keys.transpose(1, 2), kv_index), expand_kv_heads(values.transpose(1, 2), kv_index)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
+                                                 values.transpose(1, 2).to(q.dtype), attn_mask=mask,
+                                                 scale=head_dim**-0.5)  # [B, Hq, 1, D]
+            return out.squeeze(2)
+        n_kv = keys.shape[1]
+        # Query heads of one KV group become `group` queries of that head: [B, Hkv, group, D].
+        grouped = q.view(n_seqs, n_kv, n_q // n_kv, head_dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if self.kernel == "sdpa":
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=head_dim**-0.5)
+        else:
+            scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * head_dim**-0.5  # [B, Hkv, group, L]
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+            out = torch.matmul(probs, values)  # [B, Hkv, group, D]
+        return out.reshape(n_seqs, n_q, head_dim)
+
+
+__all__ = ["DECODE_KERNELS", "HeadMajorKVCache"]

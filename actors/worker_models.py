@@ -1,0 +1,100 @@
+"""Per-role bookkeeping of the model worker: where a role's shards live and how they bind to modules.
+
+`RoleState` is one role's model on one worker: its shapes, whether it trains, its `ModelCopies`
+(actors/offload.py) and one `ModelEngine` per placement it ever held. Engines outlive their
+copies: dropping a copy replaces the module's parameters with empty tensors (`unbind_shards`)
+and a later reallocation binds fresh tensors to the same modules (`bind_shards`, no copy).
+Also: the process-group member sets of a placement, and the assembly of full HF tensors from
+the shards every rank of a mesh contributes (for export).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from actors.engine import ModelEngine
+from actors.hf_io import gather_tp_shards, merge_stage_states
+from actors.offload import ModelCopies
+from actors.optim import AdamWConfig
+from planning.layout import Layout
+from planning.models import ModelSpec
+from planning.plan import Placement
+
+
+def placement_group_sets(placement: Placement) -> list[tuple[int, ...]]:
+    """Global-rank member sets of every group a placement's layout uses (mesh, tp, dp, pp,
+    embedding), groups of one rank left out; the same sets cluster/collective.py lists."""
+    layout, ranks = placement.layout, list(placement.mesh.gpus)
+    sets = [ranks]
+    sets += [[ranks[r] for r in layout.tp_group(d, p)] for p in range(layout.pp) for d in range(layout.dp)]
+    sets += [[ranks[r] for r in layout.dp_group(t, p)] for p in range(layout.pp) for t in range(layout.tp)]
+    for d in range(layout.dp):
+        for t in range(layout.tp):
+            column = [ranks[r] for r in layout.pp_group(d, t)]
+            sets += [column, [column[0], column[-1]]] if layout.pp > 1 else [column]
+    return [tuple(sorted(s)) for s in sets if len(s) > 1]
+
+
+@dataclass
+class RoleState:
+    """One role's model on this worker (mutable bookkeeping of one process)."""
+
+    spec: ModelSpec
+    critic: bool
+    trainable: bool
+    dtype: torch.dtype
+    optim: AdamWConfig | None
+    copies: ModelCopies
+    engines: dict[Placement, ModelEngine] = field(default_factory=dict)
+
+
+def shards_of(model: nn.Module) -> dict[str, Tensor]:
+    """HF name -> this rank's parameter tensor (sharing storage with the module)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def bind_shards(model: nn.Module, shards: dict[str, Tensor]) -> None:
+    """Make the module's parameters use `shards` (no copy)."""
+    names = {name for name, _ in model.named_parameters()}
+    if names != set(shards):
+        raise ValueError(f"shards do not match the module: missing {sorted(names - set(shards))[:4]}, "
+                         f"unexpected {sorted(set(shards) - names)[:4]}")
+    for name, p in model.named_parameters():
+        p.data = shards[name]
+
+
+def unbind_shards(model: nn.Module) -> None:
+    """Free the module's parameter memory (empty tensors until the next `bind_shards`)."""
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def home_of(state: RoleState) -> Placement | None:
+    """The role's home placement on this rank, or None when this rank never held it."""
+    try:
+        return state.copies.home
+    except ValueError:
+        return None
+
+
+def assemble_full_state(gathered: list[tuple[int, int, int, dict[str, Tensor]]], layout: Layout,
+                        spec: ModelSpec) -> dict[str, Tensor]:
+    """Full HF tensors from (dp_rank, tp_rank, pp_rank, shards) of every rank of a mesh (dp rank 0's
+    shards are used): tp slices concatenated per stage, then the stages merged."""
+    by_stage: list[dict[str, Tensor]] = []
+    for pp_rank in range(layout.pp):
+        shards = []
+        for tp_rank in range(layout.tp):
+            found = [s for d, t, p, s in gathered if (d, t, p) == (0, tp_rank, pp_rank)]
+            if not found:
+                raise ValueError(f"export: no shards from dp0 tp{tp_rank} pp{pp_rank} of {layout}")
+            shards.append(found[0])
+        by_stage.append(gather_tp_shards(shards, spec, layout.tp))
+    return merge_stage_states(by_stage)
+
+
+__all__ = ["RoleState", "assemble_full_state", "bind_shards", "home_of", "placement_group_sets", "shards_of",
+           "unbind_shards"]

@@ -1,0 +1,172 @@
+"""PPO (Ouyang et al. 2022 / veRL recipe): what each call of the PPO graph computes, and with which
+hyperparameters. The worker-side code is actors/worker_calls.py and actors/worker_train.py; this
+module only fills `CallSpec.params` (the op name selects the computation and its loss).
+
+Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it produces:
+
+  actor_gen    generate      prompt_ids, response_ids, logprobs (sampling distribution), no_eos,
+                             prompt_index (+ prompt, answer, decoded response with a tokenizer)
+  rew_inf      rule_reward   rewards: fn(prompt, response, answer) per sequence (`module:function`)
+               model_reward  rewards: the reward model's scalar head at the last token
+  ref_inf      logprobs      ref_logprobs per response token (at the sampling temperature)
+  critic_inf   values        values: V(state before each response token)
+  actor_train  ppo_actor     KL-shaped rewards (kl_coef * k1/k2/k3 estimate, fixed or adaptive
+                             coefficient), GAE with the critic's values, advantage whitening, then
+                             ppo_epochs x ppo_minibatches steps of the clipped surrogate
+                             (actors.losses.ppo_policy_loss, + entropy bonus) on logprobs recomputed
+                             under the train layout; metrics actor/pg_loss, actor/pg_clipfrac,
+                             actor/ppo_kl, actor/kl, actor/grad_norm, actor/lr, rollout/*
+  critic_train ppo_critic    the same GAE returns; clipped value loss (actors.losses.value_loss);
+                             metrics critic/vf_loss, critic/vf_clipfrac, critic/grad_norm
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from planning.dataflow import MFC
+
+OUTPUT_KEYS: dict[str, tuple[str, ...]] = {
+    "generate": ("prompt_ids", "response_ids", "logprobs", "no_eos", "prompt_index"),
+    "rule_reward": ("rewards",),
+    "model_reward": ("rewards",),
+    "logprobs": ("ref_logprobs",),
+    "values": ("values",),
+    "ppo_actor": (),
+    "ppo_critic": (),
+}
+KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r}: {allowed}")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How generation samples and how responses are scored (shared by PPO, GRPO and ReMax).
+
+    tokenizer: 'module:Class' or an HF directory (decodes responses for rule rewards and logs);
+    reward_fn: 'module:function' or 'file.py:function'; None scores with the reward model.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+    tokenizer: str | None = None
+    reward_fn: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.temperature >= 0, "sampling.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _check(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.reward_fn is None or ":" in self.reward_fn, "reward.function", self.reward_fn,
+               "expected 'module:function' or 'file.py:function'")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of train/ref logprobs: the sampling one (1 under greedy, which has none)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def generate_params(self, greedy: bool = False) -> dict[str, Any]:
+        return {"op": "generate", "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed, "greedy": greedy,
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer}
+
+    def reward_params(self, in_prefix: str = "", out_key: str = "rewards") -> dict[str, Any]:
+        if self.reward_fn is None:
+            return {"op": "model_reward", "in_prefix": in_prefix, "out_key": out_key}
+        return {"op": "rule_reward", "reward_fn": self.reward_fn, "tokenizer": self.tokenizer,
+                "in_prefix": in_prefix, "out_key": out_key}
+
+
+@dataclass(frozen=True)
+class PPOHyperparams:
+    """PPO's knobs, veRL names. value_clip None turns value clipping off; clip_eps_high (DAPO) and
+    dual_clip None keep the symmetric single clip. micro_batches None: the pipeline depth."""
+
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    whiten: bool = True
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    ppo_epochs: int = 1
+    ppo_minibatches: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    no_eos_penalty: float = 0.0
+    recompute_logprobs: bool = True
+    micro_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kl_coef >= 0, "ppo.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.kl_estimator in KL_ESTIMATORS, "ppo.kl_estimator", self.kl_estimator,
+               f"allowed: {', '.join(KL_ESTIMATORS)}")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "ppo.gamma/lam", (self.gamma, self.lam), "must be in [0, 1]")
+        _check(self.clip_eps > 0, "ppo.clip_eps", self.clip_eps, "must be > 0")
+        _check(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high, "must be > 0")
+        _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "must be > 1 or None")
+        _check(self.value_clip is None or self.value_clip > 0, "ppo.value_clip", self.value_clip, "must be > 0 or None")
+        _check(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "must be >= 0")
+        _check(self.loss_agg in LOSS_AGGREGATIONS, "ppo.loss_agg", self.loss_agg, f"allowed: {', '.join(LOSS_AGGREGATIONS)}")
+        _check(self.ppo_epochs >= 1, "batch.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _check(self.ppo_minibatches >= 1, "batch.ppo_minibatches", self.ppo_minibatches, "must be >= 1")
+        _check(self.micro_batches is None or self.micro_batches >= 1, "micro_batches", self.micro_batches, "must be >= 1")
+
+    def shared_train_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
+        """Params both train calls read (they compute the same advantages and returns)."""
+        out = {"kl_coef": kl_coef, "kl_estimator": self.kl_estimator, "gamma": self.gamma, "lam": self.lam,
+               "whiten": self.whiten, "loss_agg": self.loss_agg, "ppo_epochs": self.ppo_epochs,
+               "ppo_minibatches": self.ppo_minibatches, "shuffle": self.shuffle, "seed": self.seed,
+               "temperature": temperature, "no_eos_penalty": self.no_eos_penalty}
+        if self.micro_batches is not None:
+            out["micro_batches"] = self.micro_batches
+        return out
+
+    def actor_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
+        return {**self.shared_train_params(kl_coef, temperature), "op": "ppo_actor", "clip_eps": self.clip_eps,
+                "clip_eps_high": self.clip_eps_high, "dual_clip": self.dual_clip,
+                "entropy_coef": self.entropy_coef, "recompute_logprobs": self.recompute_logprobs}
+
+    def critic_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
+        return {**self.shared_train_params(kl_coef, temperature), "op": "ppo_critic", "value_clip": self.value_clip}
+
+
+def inference_params(mfc: MFC, rollout: RolloutSettings) -> dict[str, Any]:
+    """ref/actor logprobs, critic values or the reward call (rule or model)."""
+    if mfc.role == "reward":
+        return rollout.reward_params()
+    if mfc.role == "critic":
+        return {"op": "values"}
+    return {"op": "logprobs", "temperature": rollout.logprob_temperature, "out_key": "ref_logprobs"}
+
+
+def call_params(mfc: MFC, rollout: RolloutSettings, hp: PPOHyperparams, kl_coef: float) -> dict[str, Any]:
+    """CallSpec.params of one call of the PPO graph; kl_coef: this iteration's KL weight."""
+    if mfc.kind == "generate":
+        return rollout.generate_params()
+    if mfc.kind == "inference":
+        return inference_params(mfc, rollout)
+    if mfc.role == "critic":
+        return hp.critic_params(kl_coef, rollout.logprob_temperature)
+    if mfc.role != "actor":
+        raise ValueError(f"PPO call {mfc.name}: trains role {mfc.role!r}; only actor and critic train")
+    return hp.actor_params(kl_coef, rollout.logprob_temperature)
+
+
+__all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "OUTPUT_KEYS", "PPOHyperparams", "RolloutSettings", "call_params",
+           "inference_params"]

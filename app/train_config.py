@@ -1,0 +1,105 @@
+"""Config sections that only training reads: data, reward, sampling, PPO, tracking, checkpoints.
+
+They sit beside the planning sections of `app/config.py` in `ExperimentConfig` (which imports
+them from here to keep that module small) and follow its rules: `extra="forbid"`, frozen, and a
+bad value surfaces as a `ConfigError` naming the dotted field, the value and what is allowed.
+`python -m app plan` ignores them; `python -m app train` checks the ones that need files or
+imports (dataset, reward function) in `app.runtime.preflight`, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KL_CONTROLLERS = ("fixed", "adaptive")
+KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+class TrainSection(BaseModel):
+    # The same rules as app.config._Section (kept separate so this module does not import it).
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+class DataConfig(TrainSection):
+    """Prompt dataset: "toy" (the built-in count-on task) or a JSONL / Parquet file.
+
+    tokenizer: "toy" (the toy task's character tokenizer) or an HF model directory.
+    max_prompt_len: longest prompt in tokens (None: batch.prompt_len); too_long says what happens
+    to longer ones. toy_size / seed: how many toy prompts to generate and the shuffle seed.
+    """
+
+    path: str = "toy"
+    prompt_key: str = "prompt"
+    answer_key: str | None = "answer"
+    tokenizer: str = "toy"
+    chat_template: bool = False
+    max_prompt_len: int | None = Field(None, ge=1)
+    too_long: Literal["error", "drop", "truncate_left"] = "error"
+    toy_size: int = Field(1024, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+
+
+class RewardConfig(TrainSection):
+    """Rule-based reward `module:function` (or `file.py:function`); null uses the reward model
+    (models.reward, defaulting to the critic's shape) as a learned reward instead."""
+
+    function: str | None = "app.rewards:toy_reward"
+
+
+class SamplingConfig(TrainSection):
+    """How the actor samples during generation (gen length is batch.gen_len). temperature 0 = greedy."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+
+
+class PPOConfig(TrainSection):
+    """PPO hyperparameters (minibatches and epochs are batch.ppo_minibatches / batch.ppo_epochs).
+
+    kl_coef: weight of the KL penalty folded into the rewards; kl_controller adaptive adjusts it
+    towards kl_target over kl_horizon sequences (Ziegler et al.). gamma / lam: GAE.
+    clip_eps / value_clip_eps: PPO ratio and value clipping. adv_norm: whiten advantages.
+    """
+
+    actor_lr: float = Field(1e-5, gt=0.0)
+    critic_lr: float = Field(5e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    kl_coef: float = Field(0.05, ge=0.0)
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_target: float = Field(6.0, gt=0.0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "k1"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    value_clip_eps: float = Field(0.2, gt=0.0)
+    adv_norm: bool = True
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+
+
+class TrackingConfig(TrainSection):
+    """Where metrics go: always metrics.jsonl; the console line and W&B (offline without an API key)."""
+
+    project: str = "realray"
+    wandb: bool = True
+    console: bool = True
+
+
+class CheckpointConfig(TrainSection):
+    """HF exports of the trained models: every `every` iterations (0: never in between) and at the end."""
+
+    every: int = Field(0, ge=0)
+    at_end: bool = True
+
+
+__all__ = [
+    "CheckpointConfig", "DataConfig", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PPOConfig",
+    "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
+]

@@ -1,0 +1,163 @@
+"""Train-step and forward throughput of the parallel engine (issue 3 targets), with MFU.
+
+Llama-3.2-1B shape, random weights, bf16, packed micro-batches of ~16k tokens made of sequences
+of 512-2048 tokens. Runs tp=1 on one GPU and tp=2 on two (one process per GPU, NCCL), then
+prints a table: tokens/s, achieved TFLOP/s and model FLOPs utilisation against the measured
+785 TFLOP/s bf16 peak, and the tp=2 scaling efficiency.
+
+Model FLOPs per token (Megatron's accounting, no recomputation): forward = 2 * (matmul
+parameters, lm_head included, embedding lookup excluded) + causal attention 2 * s * n_heads *
+head_dim per layer (QK^T and AV, halved for causality, with s the sequence length); training =
+3x forward.
+
+    python3 benchmarks/engine_bench.py                # GPU: tp=1 and (with 2 GPUs) tp=2
+    python3 benchmarks/engine_bench.py --cpu --tiny   # a seconds-long check on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.distributed import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
+from actors.engine import ModelEngine, SequenceBatch  # noqa: E402
+from actors.losses import sft_loss  # noqa: E402
+from actors.optim import AdamWConfig  # noqa: E402
+from planning.layout import Layout  # noqa: E402
+from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
+
+PEAK_FLOPS = 785e12
+
+
+def flops_per_token(spec: ModelSpec, lengths: list[int], train: bool) -> float:
+    """Model FLOPs per token averaged over the batch (see module docstring)."""
+    matmul = sum(
+        p.shape[0] * p.shape[1] for p in param_specs(spec) if len(p.shape) == 2 and p.name != "model.embed_tokens.weight"
+    )
+    if spec.tie_embeddings:
+        matmul += spec.vocab_size * spec.hidden_size  # the head reuses the embedding matrix
+    total_tokens = sum(lengths)
+    attn = sum(2 * s * s * spec.n_heads * spec.head_dim * spec.n_layers for s in lengths) / total_tokens
+    fwd = 2 * matmul + attn
+    return 3 * fwd if train else fwd
+
+
+def make_batch(tokens_per_mb: int, n_micro: int, vocab: int, lo: int, hi: int, seed: int) -> SequenceBatch:
+    """Random packed batch: n_micro groups of sequences of lo..hi tokens, ~tokens_per_mb each."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    for _ in range(n_micro):
+        budget = tokens_per_mb
+        while budget >= lo:
+            n = min(rng.randint(lo, hi), budget)
+            lengths.append(n)
+            budget -= n
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (sum(lengths),), generator=gen)
+    mask = torch.ones(sum(lengths))
+    return SequenceBatch(tokens, tuple(lengths), token_data={"mask": mask})
+
+
+def loss_fn(logprobs: torch.Tensor, data: dict[str, torch.Tensor]):
+    return sft_loss(logprobs, data["mask"])
+
+
+def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    device = "cpu" if args.cpu else f"cuda:{rank}"
+    if world > 1:
+        init_local_world(rank, world, port, "gloo" if args.cpu else "nccl", threads=1 if args.cpu else 4)
+        groups = build_parallel_groups(Layout(tp=world))
+    else:
+        if not args.cpu:
+            torch.cuda.set_device(0)
+        groups = ParallelGroups.serial()
+    spec = model_preset("tiny" if args.tiny else "llama3.2-1b")
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    engine = ModelEngine(spec, False, groups, device, dtype, seed=0, optim_config=AdamWConfig(lr=1e-5))
+    batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
+    sync = (lambda: None) if args.cpu else torch.cuda.synchronize
+
+    def timed(fn, reps: int) -> float:
+        for _ in range(args.warmup):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / reps
+
+    train_s = timed(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), args.steps)
+    with torch.no_grad():
+        fwd_s = timed(lambda: engine.forward_logprobs(batch, n_micro=args.n_micro), args.steps)
+    if rank == 0:
+        n_tokens = sum(batch.lengths)
+        out[world] = {
+            "tokens": n_tokens, "train_s": train_s, "fwd_s": fwd_s,
+            "train_flops": flops_per_token(spec, list(batch.lengths), True) * n_tokens,
+            "fwd_flops": flops_per_token(spec, list(batch.lengths), False) * n_tokens,
+            "mem_gib": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30,
+        }
+
+
+def spawn(world: int, args: argparse.Namespace) -> dict:
+    manager = mp.Manager()
+    out = manager.dict()
+    if world == 1:
+        run_rank(0, 1, 0, args, out)
+    else:
+        mp.spawn(_entry, args=(world, free_port(), args, out), nprocs=world, join=True)
+    return dict(out)
+
+
+def _entry(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    run_rank(rank, world, port, args, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (a functional check)")
+    parser.add_argument("--tiny", action="store_true", help="tiny model instead of Llama-3.2-1B")
+    parser.add_argument("--tp", type=int, nargs="+", default=None, help="tp degrees to run (default 1 and 2 if 2 GPUs)")
+    parser.add_argument("--tokens-per-mb", type=int, default=16384)
+    parser.add_argument("--n-micro", type=int, default=4)
+    parser.add_argument("--min-len", type=int, default=512)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    if args.cpu:
+        args.tokens_per_mb, args.min_len, args.max_len, args.steps, args.warmup = 256, 16, 64, 2, 1
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
+    n_gpus = 0 if args.cpu else torch.cuda.device_count()
+    degrees = args.tp or ([1, 2] if args.cpu or n_gpus >= 2 else [1])
+    results: dict[int, dict] = {}
+    for tp in degrees:
+        results.update(spawn(tp, args))
+    peak = PEAK_FLOPS if not args.cpu else float("nan")
+    print(f"\nengine benchmark ({'tiny' if args.tiny else 'llama3.2-1b'}, {'cpu fp32' if args.cpu else 'bf16'}, "
+          f"{args.n_micro} micro-batches x ~{args.tokens_per_mb} tokens, sequences {args.min_len}-{args.max_len})")
+    print(f"{'tp':>3} {'gpus':>4} {'train tok/s':>12} {'train TFLOP/s':>14} {'train MFU':>9} "
+          f"{'fwd tok/s':>10} {'fwd TFLOP/s':>12} {'fwd MFU':>8} {'peak mem GiB':>12} {'scaling':>8}")
+    base = results.get(1)
+    for tp, r in sorted(results.items()):
+        train_tflops = r["train_flops"] / r["train_s"] / 1e12
+        fwd_tflops = r["fwd_flops"] / r["fwd_s"] / 1e12
+        scaling = (r["tokens"] / r["train_s"]) / (tp * base["tokens"] / base["train_s"]) if base else float("nan")
+        print(f"{tp:>3} {tp:>4} {r['tokens'] / r['train_s']:>12.0f} {train_tflops:>14.1f} "
+              f"{train_tflops * 1e12 / (peak * tp):>9.1%} {r['tokens'] / r['fwd_s']:>10.0f} {fwd_tflops:>12.1f} "
+              f"{fwd_tflops * 1e12 / (peak * tp):>8.1%} {r['mem_gib']:>12.1f} {scaling:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

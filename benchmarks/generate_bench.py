@@ -1,0 +1,233 @@
+"""Decode throughput of actors/generate.py against the memory-bandwidth roofline.
+
+    python benchmarks/generate_bench.py                 # one H200, Llama-3.2-1B shape, bf16
+    python benchmarks/generate_bench.py --tp 2          # two H200s, 2 spawned processes, NCCL
+    python benchmarks/generate_bench.py --cpu --tiny    # seconds on a laptop (checks the script)
+
+Random weights; 256 prompts of 128 random tokens, 512 new tokens, EOS ignored, greedy. For each
+of eager and CUDA-graph decoding it times a prefill-only call (1 new token) and the full call;
+decode time = full - prefill, decode tokens/s = n_prompts * (new_tokens - 1) / decode time.
+
+Roofline: every decode step reads this GPU's weights once plus the valid part of its KV cache
+(on average prompt_len + new_tokens / 2 tokens per sequence), so the best step time is
+bytes / bandwidth (4.3e12 B/s measured on an H200) and the best rate n_prompts / that time. Under
+tp the weights and KV heads are split, each GPU reading its share in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Run as a script from a checkout: make the repository's packages importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.distributed import ParallelGroups, build_parallel_groups, free_port
+from actors.generate import GenerationConfig, generate
+from actors.model import Transformer
+from actors.parallelize import build_model_shard
+from actors.sampling import SamplingParams
+from planning.layout import Layout
+from planning.models import ModelSpec, model_preset
+
+H200_BANDWIDTH = 4.3e12
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured mode (eager or CUDA graph)."""
+
+    mode: str
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    roofline_tokens_per_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.decode_tokens_per_s / self.roofline_tokens_per_s
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3.2-1b")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s per GPU")
+    parser.add_argument("--modes", default="eager,graph,graph+matmul,graph+compile",
+                        help="comma list of eager|graph[+matmul][+compile]")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, gloo)")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
+    parser.add_argument("--profile", action="store_true", help="also print the top kernels of 16 decode steps of the last mode")
+    args = parser.parse_args()
+    if args.tiny:
+        args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
+    return args
+
+
+def roofline_tokens_per_s(model: Transformer, spec: ModelSpec, args: argparse.Namespace) -> float:
+    """Best decode rate of one GPU's shard: n_prompts / ((weights + mean valid KV) / bandwidth)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    itemsize = next(model.parameters()).element_size()
+    kv_per_token = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim * itemsize
+                       for layer in model.model.layers.values())
+    mean_len = args.prompt_len + args.new_tokens / 2
+    step_bytes = weight_bytes + args.prompts * mean_len * kv_per_token
+    return args.prompts / (step_bytes / args.bandwidth)
+
+
+def build_random_model(spec: ModelSpec, layout: Layout, groups: ParallelGroups | None, device: torch.device,
+                       dtype: torch.dtype) -> Transformer:
+    """This rank's shard with random weights drawn on the device (fast for 1B parameters)."""
+    coords = (0, groups.tp_rank if groups is not None else 0, 0)
+    model = build_model_shard(spec, False, layout, coords, groups, device, dtype, seed=None)
+    gen = torch.Generator(device=device).manual_seed(1234 + coords[1])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: GenerationConfig,
+                   groups: ParallelGroups | None) -> float:
+    """Wall seconds of one generate call, all ranks synchronised before and after."""
+    device = prompts[0].device
+    for _ in range(2):  # before: align the ranks; after: wait for the slowest
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if dist.is_initialized():
+            dist.barrier()
+        if _ == 0:
+            start = time.perf_counter()
+            generate(model, prompts, config, groups)
+    return time.perf_counter() - start
+
+
+def mode_config(mode: str, new_tokens: int) -> GenerationConfig:
+    """Config of a mode: "eager" or "graph", optionally with "+matmul" (decode attention kernel)
+    and "+compile" (torch.compile'd decode step), e.g. "graph+compile+matmul"."""
+    parts = mode.split("+")
+    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= {"matmul", "compile"}:
+        raise ValueError(f"--modes: {mode!r} unknown; allowed: eager|graph[+matmul][+compile]")
+    return GenerationConfig(new_tokens, SamplingParams(temperature=0.0), ignore_eos=True,
+                            use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
+                            decode_attention="matmul" if "matmul" in parts else "sdpa")
+
+
+def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[BenchResult]:
+    """Build the shard, warm up, measure every mode; returns the results (rank 0 prints them)."""
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+    groups = None
+    if port is not None:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo" if args.cpu else "nccl", rank=rank, world_size=args.tp)
+        groups = build_parallel_groups(Layout(tp=args.tp))
+    torch.manual_seed(0)
+    spec = model_preset(args.preset)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    model = build_random_model(spec, Layout(tp=args.tp), groups, device, dtype)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=gen).to(device)
+               for _ in range(args.prompts)]
+    roofline = roofline_tokens_per_s(model, spec, args)
+    results = []
+    for mode in args.modes.split(","):
+        base = mode_config(mode, args.new_tokens)
+        prefill_only = GenerationConfig(**{**base.__dict__, "max_new_tokens": 1})
+        # Warm-up: a short call; compiled modes run the full call once so that every compile
+        # (one per batch shape and attention bucket) happens outside the measurement.
+        warmup = prompts if base.compile_decode else prompts[: min(8, len(prompts))]
+        timed_generate(model, warmup, base if base.compile_decode else prefill_only, groups)
+        prefill_s = timed_generate(model, prompts, prefill_only, groups)
+        full_s = timed_generate(model, prompts, base, groups)
+        decode_s = max(full_s - prefill_s, 1e-9)
+        rate = args.prompts * (args.new_tokens - 1) / decode_s
+        results.append(BenchResult(mode, prefill_s, decode_s, rate, roofline))
+        if rank == 0:  # progress, in case a later mode runs past a time limit
+            print(f"measured {mode}: {rate:,.0f} decode tok/s ({rate / roofline:.1%} of roofline)", flush=True)
+    if args.profile:
+        profile_short_run(model, prompts, groups, args.modes.split(",")[-1])
+    if port is not None:
+        dist.destroy_process_group()
+    return results
+
+
+def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
+                      mode: str) -> None:
+    """Top kernels by device time over 16 decode steps + sampling of `mode` (after a warm-up that
+    compiles and captures), to see where a decode step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from actors.generate import DecodeStep, prepare_cache
+    from actors.sampling import sample_tensor_parallel
+
+    config = mode_config(mode, 64)
+    config = GenerationConfig(**{**config.__dict__, "attend_bucket": 1 << 20})  # one bucket: one graph
+    tokens, batch, cache = prepare_cache(model, prompts, config, prompts[0].device)
+    tp_group = groups.tp_group if groups is not None else None
+    with torch.no_grad():
+        logits = model(tokens, batch, cache)[batch.last_token_indices()]
+        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+
+        def one_step(logits: torch.Tensor) -> torch.Tensor:
+            sampled = sample_tensor_parallel(logits, config.sampling, None, tp_group)
+            return step(sampled.tokens)
+
+        for _ in range(3):
+            logits = one_step(logits)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts[0].is_cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(16):
+                logits = one_step(logits)
+            if prompts[0].is_cuda:
+                torch.cuda.synchronize()
+    sort_by = "cuda_time_total" if prompts[0].is_cuda else "cpu_time_total"
+    print(f"profile of 16 decode steps, mode {mode}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70))
+
+
+def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:
+    where = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    print(f"\n{args.preset} tp={args.tp} on {where}: {args.prompts} prompts x {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens, bandwidth {args.bandwidth:.2e} B/s per GPU")
+    print(f"{'mode':<22} {'prefill s':>10} {'decode s':>10} {'decode tok/s':>14} {'roofline tok/s':>15} {'ratio':>7}")
+    for r in results:
+        print(f"{r.mode:<22} {r.prefill_s:>10.3f} {r.decode_s:>10.3f} {r.decode_tokens_per_s:>14,.0f} "
+              f"{r.roofline_tokens_per_s:>15,.0f} {r.ratio:>7.1%}")
+
+
+def _spawned(rank: int, args: argparse.Namespace, port: int) -> None:
+    results = run_rank(rank, args, port)
+    if rank == 0:
+        print_table(args, results)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)) if args.cpu else 1)
+    if args.cpu:
+        args.modes = "eager,eager+matmul"  # CUDA graphs need CUDA; compiling on CPU needs a C++ toolchain
+    if args.tp == 1:
+        print_table(args, run_rank(0, args, None))
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(args, free_port()), nprocs=args.tp, join=True)
+
+
+if __name__ == "__main__":
+    main()

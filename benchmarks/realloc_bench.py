@@ -1,0 +1,229 @@
+"""Benchmark parameter reallocation between two GPUs and compare it with the cost model.
+
+Runs the executor of `actors/realloc.py` on two processes (one per GPU, NCCL), for a Llama-3.2-1B
+shaped model in bf16 with random weights built directly as shard dicts (no model code):
+
+    (GPU0, tp1)      -> (GPU0+1, tp2)
+    (GPU0+1, dp2)    -> (GPU1, tp1)      (all local: GPU1 already holds a full replica)
+    (GPU0+1, tp2)    -> (GPU0+1, pp2)
+    (GPU0, tp1)      -> (GPU1, tp1)      (a whole-model move over one link, for reference)
+
+For each: seconds (median over repetitions, slowest rank), bytes per link, effective bandwidth
+(bytes over the busiest link / seconds) against the measured NCCL broadcast peak, and the cost
+model's prediction (`realloc_time_s`, hardware preset h200-141g). A raw 1 GiB NCCL broadcast
+between the two GPUs is measured for reference. The first repetition of each case also checks
+the result exactly against slices of a full model generated identically on both ranks.
+
+    python benchmarks/realloc_bench.py                 # two GPUs, NCCL
+    python benchmarks/realloc_bench.py --cpu           # gloo on CPU, tiny model, few repetitions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.distributed import free_port  # noqa: E402
+from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation  # noqa: E402
+from planning.hardware import hardware_preset  # noqa: E402
+from planning.layout import ClusterSpec, Layout, Mesh  # noqa: E402
+from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
+from planning.plan import Placement  # noqa: E402
+from planning.realloc_plan import ReallocPlan, plan_reallocation, rank_params, realloc_time_s  # noqa: E402
+
+# NVLink multicast (NVLS) stays off on the lent machines.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+PEAK_BCAST_BPS = 367e9  # measured NCCL broadcast between two H200s
+GPN = 2  # one node of two GPUs
+
+
+def _p(start: int, size: int, layout: str) -> Placement:
+    return Placement(Mesh(start, size, GPN), Layout.parse(layout))
+
+
+CASES: list[tuple[str, Placement, Placement]] = [
+    ("g0 tp1 -> g0-1 tp2", _p(0, 1, "tp1"), _p(0, 2, "tp2")),
+    ("g0-1 dp2 -> g1 tp1", _p(0, 2, "dp2"), _p(1, 1, "tp1")),
+    ("g0-1 tp2 -> g0-1 pp2", _p(0, 2, "tp2"), _p(0, 2, "pp2")),
+    ("g0 tp1 -> g1 tp1", _p(0, 1, "tp1"), _p(1, 1, "tp1")),
+]
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: str
+    seconds: float  # median over repetitions of the slowest rank
+    best_seconds: float
+    host_seconds: float  # median time for the slowest host to issue everything
+    bytes_per_link: dict[str, int]
+    local_bytes: int
+    effective_gbps: float  # busiest link bytes / seconds, GB/s
+    pct_of_peak: float
+    predicted_seconds: float
+    exact: bool
+
+
+def _shards(spec: ModelSpec, placement: Placement, rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's slices of the full model under `placement` (empty outside its mesh), copied."""
+    if rank not in placement.mesh.gpus:
+        return {}
+    out = {}
+    for p, piece in rank_params(spec, False, placement, rank - placement.mesh.start):
+        t = full[p.name]
+        out[p.name] = (t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.stop - piece.start)).clone()
+    return out
+
+
+def _full_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random weights, identical on both ranks (same seed, same device type)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {p.name: torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            for p in param_specs(spec)}
+
+
+def _time_case(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Tensor], groups: ReallocGroups,
+               device: torch.device, dtype: torch.dtype, args: argparse.Namespace, reps: int) -> list[tuple[float, float]]:
+    """(seconds, host seconds) of each repetition, the slowest rank's."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        out, stats = execute_reallocation(plan, rank, src_shards, groups, device, dtype, args.bucket_mib * 2**20,
+                                          int(args.direct_mib * 2**20))
+        del out
+        slowest = torch.tensor([stats.seconds, stats.host_seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times.append((float(slowest[0].item()), float(slowest[1].item())))
+    return times
+
+
+def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: int, groups: ReallocGroups,
+              device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> CaseResult:
+    plan = plan_reallocation(spec, False, src, dst)
+    groups.ensure(broadcast_groups(plan))
+    full = _full_model(spec, device, dtype)
+    src_shards = _shards(spec, src, rank, full)
+    out, _ = execute_reallocation(plan, rank, src_shards, groups, device, dtype, args.bucket_mib * 2**20,
+                                  int(args.direct_mib * 2**20))
+    expected = _shards(spec, dst, rank, full)
+    exact = sorted(out) == sorted(expected) and all(torch.equal(out[k], v) for k, v in expected.items())
+    del out, expected, full
+    flag = torch.tensor([1.0 if exact else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    _time_case(plan, rank, src_shards, groups, device, dtype, args, args.warmup)
+    timed = _time_case(plan, rank, src_shards, groups, device, dtype, args, args.reps)
+    times = [t for t, _ in timed]
+    elem = torch.empty((), dtype=dtype).element_size()
+    links = plan.bytes_per_link(elem)
+    seconds = statistics.median(times)
+    busiest = max(links.values(), default=0)
+    gbps = busiest / seconds / 1e9 if busiest else 0.0
+    cluster = ClusterSpec(1, GPN, hardware_preset("h200-141g"))
+    return CaseResult(
+        case=name, seconds=seconds, best_seconds=min(times), host_seconds=statistics.median(h for _, h in timed),
+        bytes_per_link={f"{s}->{d}": b for (s, d), b in sorted(links.items())},
+        local_bytes=plan.local_bytes(elem), effective_gbps=gbps, pct_of_peak=100 * gbps * 1e9 / PEAK_BCAST_BPS,
+        predicted_seconds=realloc_time_s(plan, cluster, elem), exact=bool(flag.item() == 1.0),
+    )
+
+
+def _raw_broadcast(device: torch.device, nbytes: int, warmup: int, reps: int) -> float:
+    """Bytes/s of a plain broadcast of `nbytes` from rank 0 to rank 1 (median of `reps`)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(NCCL_ENV)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1 if args.cpu else 4)
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    dist.barrier()  # the world communicator exists before any point-to-point batch
+    try:
+        spec = model_preset(args.model)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        groups = ReallocGroups()
+        results = [_run_case(name, src, dst, spec, rank, groups, device, dtype, args) for name, src, dst in CASES]
+        raw_bps = _raw_broadcast(device, args.raw_mib * 2**20, args.warmup, args.reps)
+        if rank == 0:
+            _report(results, raw_bps, spec, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(results: list[CaseResult], raw_bps: float, spec: ModelSpec, args: argparse.Namespace) -> None:
+    mode = "cpu/gloo" if args.cpu else "cuda/nccl"
+    print(f"\nmodel {spec.name} ({spec.n_params() / 1e9:.2f}B params, {args.dtype}), {mode}, "
+          f"bucket {args.bucket_mib} MiB, direct >= {args.direct_mib} MiB, {args.reps} reps after {args.warmup} warm-up")
+    print(f"raw broadcast of {args.raw_mib} MiB g0->g1: {raw_bps / 1e9:.1f} GB/s "
+          f"({100 * raw_bps / PEAK_BCAST_BPS:.0f}% of {PEAK_BCAST_BPS / 1e9:.0f} GB/s)")
+    header = f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'pred(h200)':>10} {'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        links = ", ".join(f"{k}: {_mb(v)}" for k, v in r.bytes_per_link.items()) or "none"
+        print(f"{r.case:<24} {r.seconds:>9.5f} {r.best_seconds:>9.5f} {r.host_seconds:>9.5f} {r.predicted_seconds:>10.5f} "
+              f"{r.effective_gbps:>7.1f} {r.pct_of_peak:>6.1f} {str(r.exact):>5}  {links} / local {_mb(r.local_bytes)}")
+    if args.json:
+        payload = {"mode": mode, "model": spec.name, "dtype": args.dtype, "bucket_mib": args.bucket_mib,
+                   "direct_mib": args.direct_mib, "raw_broadcast_gbps": raw_bps / 1e9, "cases": [asdict(r) for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU (tiny model, few repetitions by default)")
+    parser.add_argument("--model", default=None, help="model preset (default llama3.2-1b; tiny with --cpu)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --cpu)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up repetitions (default 3; 1 with --cpu)")
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--direct-mib", type=float, default=64.0,
+                        help="slices at least this large are sent without packing when contiguous")
+    parser.add_argument("--raw-mib", type=int, default=None, help="raw broadcast size (default 1024; 16 with --cpu)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    args.model = args.model or ("tiny" if args.cpu else "llama3.2-1b")
+    args.reps = args.reps or (3 if args.cpu else 20)
+    args.warmup = args.warmup or (1 if args.cpu else 3)
+    args.raw_mib = args.raw_mib or (16 if args.cpu else 1024)
+    if not args.cpu and torch.cuda.device_count() < 2:
+        raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()}; use --cpu to run on CPU with gloo")
+    os.environ.update(NCCL_ENV)
+    mp.spawn(_worker, args=(args, free_port()), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Cost model: time and memory of one model function call under one placement.
+
+`call_cost(problem, mfc, placement)` is an analytic roofline estimate: matmul FLOPs against the
+GPU's bf16 peak, decode steps as weight + KV-cache streaming against HBM bandwidth (whichever is
+slower), plus the communication each parallel dimension implies:
+
+* tp: 2 all-reduces of (tokens, hidden) bf16 per layer forward, 2 more backward, ring cost
+  2(tp-1)/tp * bytes / NVLink bandwidth (tp groups never leave a node);
+* pp: 1F1B bubble (pp-1)/n_micro of the stage time, plus p2p activation sends between stages;
+* dp (train): ZeRO-1 gradient reduce-scatter + parameter all-gather per optimizer step, over
+  NVLink or the NIC depending on whether the dp group spans nodes.
+
+Memory: bf16 weights, bf16 gradients, fp32 master + Adam m, v (12 bytes/param) sharded over dp,
+activations of the micro-batches in flight (no recomputation), KV cache for generation. A call
+that does not fit is infeasible (with a reason), never merely slow. Each call has memory
+levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (enough for the
+pipeline and at most MAX_MICRO_TOKENS tokens each), or generation in 1, 2, 4 ... rounds; the
+fastest level that fits the memory left to the call is used, so a call squeezed by other
+models' resident weights still runs, only slower (`planning.plan_space` passes that budget).
+
+`OpEfficiency` scales the hardware peaks per op kind; a measured `HardwareSpec.with_profile`
+replaces the peaks themselves. The per-op arithmetic lives in `planning.cost_terms`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planning.cost_terms import (
+    CallGeometry, OpEfficiency, activation_bytes_per_token_layer, allreduce_s, call_geometry, dp_bandwidth,
+    p2p_bandwidth, reduce_scatter_s,
+)
+from planning.dataflow import MFC, ROLES, Graph
+from planning.hardware import HardwareSpec
+from planning.layout import ClusterSpec, Layout
+from planning.models import ModelSpec
+from planning.plan import Placement
+
+# Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
+MAX_MICRO_TOKENS = 16384
+# Bytes of optimizer state per parameter: fp32 master weights + Adam m and v.
+OPTIMIZER_BYTES_PER_PARAM = 12
+# HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
+# (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
+OPTIMIZER_TRAFFIC_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class ModelRole:
+    """The model one role runs: its shapes and whether it has a scalar value head."""
+
+    spec: ModelSpec
+    critic: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, ModelSpec):
+            raise ValueError(f"ModelRole.spec={self.spec!r}: must be a planning.models.ModelSpec")
+
+
+@dataclass(frozen=True)
+class PlanningProblem:
+    """Everything the planner needs: the dataflow graph, the cluster and one model per role."""
+
+    graph: Graph
+    cluster: ClusterSpec
+    models: dict[str, ModelRole]
+    efficiency: OpEfficiency = field(default_factory=OpEfficiency)
+
+    def __post_init__(self) -> None:
+        for role in self.models:
+            if role not in ROLES:
+                raise ValueError(f"PlanningProblem.models: role {role!r} unknown; allowed: {', '.join(ROLES)}")
+        missing = [r for r in self.graph.roles if r not in self.models]
+        if missing:
+            raise ValueError(f"PlanningProblem.models: graph {self.graph.algorithm} uses roles {missing} without a model")
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """Predicted cost of one call. `breakdown` holds seconds (keys ending `_s`) and bytes
+    (keys ending `_bytes`); time_s is the sum of the seconds, mem_bytes the sum of the bytes."""
+
+    time_s: float
+    mem_bytes: float
+    feasible: bool
+    breakdown: dict[str, float]
+    reason: str = ""
+
+
+def rlhf_problem(
+    graph: Graph, cluster: ClusterSpec, actor: ModelSpec, critic: ModelSpec | None = None,
+    ref: ModelSpec | None = None, reward: ModelSpec | None = None, efficiency: OpEfficiency | None = None,
+) -> PlanningProblem:
+    """A problem for the roles `graph` uses. ref defaults to the actor's shapes, critic to the
+    actor's, reward to the critic's; each role is still its own copy of the weights."""
+    critic_spec = critic or actor
+    specs = {"actor": (actor, False), "critic": (critic_spec, True), "ref": (ref or actor, False),
+             "reward": (reward or critic_spec, True)}
+    models = {role: ModelRole(*specs[role]) for role in graph.roles}
+    return PlanningProblem(graph, cluster, models, efficiency or OpEfficiency())
+
+
+def call_cost(problem: PlanningProblem, mfc: MFC, placement: Placement, mem_budget_bytes: float | None = None) -> CallCost:
+    """Time and memory of `mfc` on `placement` (see the module docstring for the model).
+
+    mem_budget_bytes: memory per GPU this call may use (default: all of it). Of the call's
+    levels (`call_cost_levels`) the fastest that fits is taken; when none fits, the leanest is
+    returned with feasible=False and the reason.
+    """
+    levels = call_cost_levels(problem, mfc, placement)
+    budget = problem.cluster.hardware.mem_bytes if mem_budget_bytes is None else mem_budget_bytes
+    fitting = [c for c in levels if c.feasible and c.mem_bytes <= budget]
+    if fitting:
+        return min(fitting, key=lambda c: (c.time_s, c.mem_bytes))
+    leanest = min(levels, key=lambda c: c.mem_bytes)
+    if not math.isfinite(leanest.mem_bytes):
+        return leanest
+    hw = problem.cluster.hardware
+    return CallCost(leanest.time_s, leanest.mem_bytes, False, leanest.breakdown,
+                    f"needs {leanest.mem_bytes / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB"
+                    + (" free" if budget < hw.mem_bytes else ""))
+
+
+def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement) -> list[CallCost]:
+    """The call at every memory level, leanest last: training and inference with 1x, 2x, 4x ...
+    the base number of micro-batches; generation in 1, 2, 4 ... rounds of sequences (each round
+    holds only its own KV cache, and streams the weights again). A level is feasible when it
+    fits the whole GPU; an illegal layout gives one infeasible level with infinite cost."""
+    if mfc.role not in problem.models:
+        raise ValueError(f"call {mfc.name}: role {mfc.role!r} has no model in the problem")
+    role = problem.models[mfc.role]
+    hw = problem.cluster.hardware
+    layout = placement.layout
+    geo = call_geometry(role.spec, role.critic, layout)
+    if isinstance(geo, str):
+        return [_infeasible(geo)]
+    steps = mfc.n_minibatches if mfc.kind == "train" else 1
+    if mfc.batch.n_seqs < layout.dp * steps:
+        return [_infeasible(
+            f"dp={layout.dp} x minibatches={steps} exceeds the {mfc.batch.n_seqs} sequences of {mfc.name}: "
+            "a replica would get none"
+        )]
+    seqs = math.ceil(mfc.batch.n_seqs / (layout.dp * steps))  # per replica (per minibatch)
+    links = _Links(hw, problem.efficiency, placement)
+    levels = []
+    for split in _splits(mfc, layout, seqs):
+        if mfc.kind == "generate":
+            parts = _generate(mfc, geo, layout, links, seqs, split)
+        else:
+            parts = _forward_backward(mfc, geo, layout, links, seqs, split)
+        time_s = sum(v for k, v in parts.items() if k.endswith("_s"))
+        mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
+        reason = "" if mem <= hw.mem_bytes else f"needs {mem / 2**30:.1f} GiB per GPU, {hw.name} has {hw.mem_bytes / 2**30:.1f} GiB"
+        levels.append(CallCost(time_s, mem, not reason, parts, reason))
+    return levels
+
+
+def _splits(mfc: MFC, layout: Layout, seqs: int) -> list[int]:
+    """Micro-batch counts (train, inference) or generation rounds to consider, doubling."""
+    if mfc.kind == "generate":
+        first = 1
+    else:
+        tokens = seqs * mfc.batch.seq_len
+        first = min(seqs, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(tokens / MAX_MICRO_TOKENS)))
+    out = [first]
+    while out[-1] < seqs:
+        out.append(min(seqs, 2 * out[-1]))
+    return out
+
+
+def weight_bytes_per_gpu(role: ModelRole, layout: Layout) -> float:
+    """bf16 weights on the fullest GPU of `layout` (raises ValueError for an illegal layout)."""
+    geo = call_geometry(role.spec, role.critic, layout)
+    if isinstance(geo, str):
+        raise ValueError(geo)
+    return 2.0 * geo.stage_params
+
+
+# ---- internals -----------------------------------------------------------------------------------
+
+
+class _Links:
+    """Effective rates for one placement: FLOP/s, HBM bytes/s and the bandwidth of each group."""
+
+    def __init__(self, hw: HardwareSpec, eff: OpEfficiency, placement: Placement) -> None:
+        layout, mesh = placement.layout, placement.mesh
+        m = mesh.gpus_per_node
+        self.hw = hw
+        self.flops = hw.peak_flops * eff.gemm
+        self.hbm = hw.hbm_bw * eff.decode
+        self.opt_hbm = hw.hbm_bw * eff.optimizer
+        self.tp_bw = hw.intra_node_bw * eff.comm
+        self.dp_bw = dp_bandwidth(hw, layout, m) * eff.comm
+        self.pp_bw = p2p_bandwidth(hw, mesh.size, m) * eff.comm
+        self.lat = hw.collective_latency_s
+
+
+def _infeasible(reason: str) -> CallCost:
+    return CallCost(math.inf, math.inf, False, {}, reason)
+
+
+def _pass_time(
+    geo: CallGeometry, layout: Layout, links: _Links, tokens: int, n_micro: int, ctx: float, passes: int,
+) -> dict[str, float]:
+    """Seconds of `passes` sweeps (1 = forward, 3 = forward + backward) over `tokens` tokens of
+    one replica split into `n_micro` micro-batches, on the slowest pipeline stage."""
+    hidden = geo.spec.hidden_size
+    mb_tokens = tokens / n_micro
+    compute = passes * tokens * geo.stage_flops_per_token(ctx) / links.flops
+    overhead = passes * n_micro * geo.stage_layers * links.hw.kernel_overhead_s
+    # 2 all-reduces of a (mb_tokens, hidden) bf16 activation per layer per direction.
+    directions = 1 if passes == 1 else 2
+    tp = directions * n_micro * geo.stage_layers * 2 * allreduce_s(mb_tokens * hidden * 2, layout.tp, links.tp_bw, links.lat)
+    stage = compute + overhead + tp
+    out = {"compute_s": compute, "kernel_overhead_s": overhead, "tp_comm_s": tp}
+    if layout.pp > 1:
+        out["pp_bubble_s"] = stage * (layout.pp - 1) / n_micro
+        # Each micro-batch crosses pp-1 stage boundaries per direction; sends overlap compute
+        # except along the pipeline's fill/drain path (n_micro + pp - 1 sends).
+        send = links.lat + mb_tokens * hidden * 2 / links.pp_bw
+        out["pp_p2p_s"] = directions * (n_micro + layout.pp - 1) * send
+    return out
+
+
+def _activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool) -> float:
+    """Activation memory of the fullest stage: stored activations of `in_flight` micro-batches
+    (train) or one layer's working set (inference), plus fp32 logits on the last stage."""
+    per_token_layer = activation_bytes_per_token_layer(geo.spec, layout.tp)
+    head_cols = 1 if geo.critic else geo.spec.vocab_size / layout.tp
+    logits = mb_tokens * head_cols * 4 * (2 if train else 1)  # fp32 logits (+ their gradient)
+    if train:
+        return in_flight * mb_tokens * per_token_layer * geo.stage_layers + logits
+    return 2 * mb_tokens * per_token_layer + logits
+
+
+def _forward_backward(
+    mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, n_micro: int,
+) -> dict[str, float]:
+    """Inference (one forward) or training (forward + backward + optimizer per minibatch) of
+    `seqs` sequences per replica in `n_micro` micro-batches."""
+    train = mfc.kind == "train"
+    seq_len = mfc.batch.seq_len
+    tokens = seqs * seq_len
+    steps = mfc.n_minibatches if train else 1
+    parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
+    parts["weights_bytes"] = 2.0 * geo.stage_params
+    parts["activation_bytes"] = _activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train)
+    parts["micro_batches"] = float(n_micro)  # informational: neither seconds nor bytes
+    if train:
+        grad_bytes = 2.0 * geo.stage_params
+        # ZeRO-1: reduce-scatter the bf16 gradients, all-gather the updated bf16 parameters.
+        parts["dp_comm_s"] = steps * 2 * reduce_scatter_s(grad_bytes, layout.dp, links.dp_bw, links.lat)
+        shard = geo.stage_params / layout.dp
+        parts["optimizer_s"] = steps * (shard * OPTIMIZER_TRAFFIC_PER_PARAM / links.opt_hbm + links.hw.kernel_overhead_s)
+        parts["grad_bytes"] = grad_bytes
+        parts["optimizer_bytes"] = OPTIMIZER_BYTES_PER_PARAM * shard
+    return parts
+
+
+def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, rounds: int) -> dict[str, float]:
+    """`rounds` rounds, each a prefill of its prompts then gen_len decode steps, memory- or
+    compute-bound per step; only one round's KV cache is alive at a time."""
+    batch = mfc.batch
+    spec = geo.spec
+    per_round = math.ceil(seqs / rounds)
+    prompt_tokens = per_round * max(batch.prompt_len, 1)
+    n_prefill = min(per_round, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(prompt_tokens / MAX_MICRO_TOKENS)))
+    prefill = _pass_time(geo, layout, links, prompt_tokens, n_prefill, batch.prompt_len / 2, 1)
+    parts = {"prefill_s": prefill.pop("compute_s")}
+    parts.update(prefill)
+    # Decode: a round is cut into min(seqs, pp) micro-batches so every stage has work; each
+    # step every stage streams its weights once per micro-batch plus that micro-batch's KV cache.
+    weights = 2.0 * geo.stage_params
+    n_mb = min(per_round, layout.pp)
+    mb = per_round / n_mb
+    ctx = batch.prompt_len + batch.gen_len / 2
+    kv_read = mb * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
+    per_mb_stage = max((weights + kv_read) / links.hbm, mb * geo.stage_flops_per_token(ctx) / links.flops)
+    tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
+    slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
+    steps = batch.gen_len
+    parts["decode_s"] = steps * slots * per_mb_stage
+    parts["kernel_overhead_s"] = parts.get("kernel_overhead_s", 0.0) + steps * slots * geo.stage_layers * links.hw.kernel_overhead_s
+    parts["tp_comm_s"] = parts.get("tp_comm_s", 0.0) + steps * slots * tp_s
+    if layout.pp > 1:
+        send = links.lat + mb * spec.hidden_size * 2 / links.pp_bw
+        parts["pp_p2p_s"] = parts.get("pp_p2p_s", 0.0) + steps * slots * send
+        parts["pp_bubble_s"] = parts.get("pp_bubble_s", 0.0) + (layout.pp - 1) * per_mb_stage  # pipeline fill
+    parts = {k: rounds * v for k, v in parts.items()}
+    parts["weights_bytes"] = weights
+    parts["kv_cache_bytes"] = per_round * batch.seq_len * geo.kv_bytes_per_token_layer * geo.stage_layers
+    parts["activation_bytes"] = _activation_bytes(geo, layout, prompt_tokens / n_prefill, 1, False)
+    parts["generation_rounds"] = float(rounds)  # informational
+    return parts

@@ -1,0 +1,156 @@
+"""Per-GPU shapes and communication formulas the cost model (`planning.cost`) is built from.
+
+`call_geometry` turns (model, critic?, tp, pp) into what one GPU of the fullest pipeline stage
+holds and computes: parameters, decoder blocks, FLOPs per token and KV-cache bytes. It is cached
+because the stage partition is a dynamic programme over layers and the search asks for the same
+(model, layout) thousands of times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any
+
+from planning.hardware import HardwareSpec
+from planning.layout import Layout
+from planning.models import ModelSpec, kv_replicated, pipeline_partition, validate_tp
+
+
+@dataclass(frozen=True)
+class OpEfficiency:
+    """Fractions (0, 1] of the hardware peaks each kind of op reaches. 1.0 trusts the
+    `HardwareSpec` figures as they are (presets already fold typical efficiencies in); a
+    profile that measured, say, decode at 70% of the preset's HBM rate sets decode=0.7."""
+
+    gemm: float = 1.0  # prefill / forward / backward matmuls vs peak_flops
+    decode: float = 1.0  # decode weight + KV streaming vs hbm_bw
+    comm: float = 1.0  # collectives and p2p vs link bandwidths
+    optimizer: float = 1.0  # Adam step streaming vs hbm_bw
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ValueError(f"OpEfficiency.{f.name}={value!r}: must be a number in (0, 1]")
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> OpEfficiency:
+        known = {f.name for f in fields(OpEfficiency)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"OpEfficiency: unknown keys {unknown}; allowed: {sorted(known)}")
+        return OpEfficiency(**{k: float(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class CallGeometry:
+    """What one GPU of a (tp, pp) layout holds and computes, on its fullest / slowest stage.
+
+    stage_params: parameters on the fullest GPU (tp-split ones divided by tp).
+    stage_layers: decoder blocks of the deepest stage.
+    stage_blocks: decoder blocks per stage; the last stage also runs the head.
+    layer_matmul_flops: forward FLOPs per token of one block's matmuls on one GPU.
+    attn_flops_per_ctx: forward attention FLOPs per token per key attended, one block, one GPU.
+    head_flops: forward FLOPs per token of the LM / value head on one GPU.
+    kv_bytes_per_token_layer: bf16 K and V one GPU caches per token per block.
+    """
+
+    spec: ModelSpec
+    critic: bool
+    stage_params: float
+    stage_layers: int
+    stage_blocks: tuple[int, ...]
+    layer_matmul_flops: float
+    attn_flops_per_ctx: float
+    head_flops: float
+    kv_bytes_per_token_layer: float
+
+    def stage_flops_per_token(self, ctx: float) -> float:
+        """Forward FLOPs per token on the slowest stage, attending to `ctx` keys on average."""
+        window = self.spec.sliding_window
+        ctx = min(ctx, window) if window else ctx
+        per_block = self.layer_matmul_flops + self.attn_flops_per_ctx * ctx
+        last = len(self.stage_blocks) - 1
+        return max(b * per_block + (self.head_flops if s == last else 0.0) for s, b in enumerate(self.stage_blocks))
+
+
+def call_geometry(spec: ModelSpec, critic: bool, layout: Layout) -> CallGeometry | str:
+    """The geometry of (spec, tp, pp), or a string saying why the layout cannot shard the model."""
+    return _geometry(spec, critic, layout.tp, layout.pp)
+
+
+@lru_cache(maxsize=4096)
+def _geometry(spec: ModelSpec, critic: bool, tp: int, pp: int) -> CallGeometry | str:
+    try:
+        validate_tp(spec, tp)
+        partition = pipeline_partition(spec, pp, critic)
+    except ValueError as err:
+        return str(err)
+    h, d = spec.hidden_size, spec.head_dim
+    q_dim, kv_dim = spec.n_heads * d, spec.n_kv_heads * d
+    kv_split = 1 if kv_replicated(spec, tp) else tp
+    # One block on one GPU: q and o column/row split, k and v split unless replicated, MLP split.
+    block_matmul = (2 * h * q_dim + 3 * h * spec.intermediate_size) / tp + 2 * h * kv_dim / kv_split
+    block_other = 2 * h + ((q_dim / tp + 2 * kv_dim / kv_split) if spec.qkv_bias else 0)
+    embed = spec.vocab_size * h / tp
+    if critic:
+        head = float(h)
+    else:
+        head = 0.0 if (spec.tie_embeddings and pp == 1) else embed
+    blocks = tuple(end - start for start, end in partition)
+    stage_params = []
+    for s, b in enumerate(blocks):
+        params = b * (block_matmul + block_other)
+        params += embed if s == 0 else 0.0
+        params += (head + h) if s == len(blocks) - 1 else 0.0
+        stage_params.append(params)
+    head_cols = 1 if critic else spec.vocab_size / tp
+    return CallGeometry(
+        spec=spec,
+        critic=critic,
+        stage_params=max(stage_params),
+        stage_layers=max(blocks),
+        stage_blocks=blocks,
+        layer_matmul_flops=2.0 * block_matmul,
+        # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add x q_dim/tp per key.
+        attn_flops_per_ctx=4.0 * q_dim / tp,
+        head_flops=2.0 * h * head_cols,
+        kv_bytes_per_token_layer=2 * 2 * kv_dim / kv_split,
+    )
+
+
+def activation_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
+    """bf16 activations one block stores per token for backward (no recomputation, flash
+    attention, no sequence parallelism): residual/norm inputs whole, projections split by tp."""
+    h, d = spec.hidden_size, spec.head_dim
+    q_dim, kv_dim = spec.n_heads * d, spec.n_kv_heads * d
+    kv_split = 1 if kv_replicated(spec, tp) else tp
+    whole = 4 * h  # two norm inputs, two residual branch outputs
+    split = (2 * q_dim + 4 * spec.intermediate_size) / tp + 2 * kv_dim / kv_split  # q, attn out; gate, up, act, prod; k, v
+    return 2.0 * (whole + split)
+
+
+def allreduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks: 2(n-1)/n of the bytes through each link."""
+    if n <= 1:
+        return 0.0
+    return latency + 2.0 * (n - 1) / n * nbytes / bw
+
+
+def reduce_scatter_s(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring reduce-scatter (or all-gather) of `nbytes` over `n` ranks: (n-1)/n of the bytes."""
+    if n <= 1:
+        return 0.0
+    return latency + (n - 1) / n * nbytes / bw
+
+
+def dp_bandwidth(hw: HardwareSpec, layout: Layout, gpus_per_node: int) -> float:
+    """A dp group spans dp*tp consecutive GPUs (tp fastest): the NIC once that leaves a node."""
+    return hw.inter_node_bw if layout.dp * layout.tp > gpus_per_node else hw.intra_node_bw
+
+
+def p2p_bandwidth(hw: HardwareSpec, mesh_size: int, gpus_per_node: int) -> float:
+    """Neighbouring stages are dp*tp GPUs apart: some boundary crosses a node once the mesh does."""
+    return hw.inter_node_bw if mesh_size > gpus_per_node else hw.intra_node_bw
+

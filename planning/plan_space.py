@@ -1,0 +1,310 @@
+"""The fast plan evaluator shared by the simulator and the search.
+
+A `PlanSpace` holds, for every call of the graph, a list of candidate placements with everything
+the schedule needs precomputed into plain lists (GPU bitmask, resident bytes, and the call's
+memory levels as (transient bytes, seconds) pairs); a plan is then just a list of candidate
+indices, one per call. `call_levels` gives each call the fastest level that fits beside the
+resident weights on its GPUs, and `schedule` runs the list schedule of `planning.simulate`
+with those durations, with no object creation beyond a few floats and lists. Call costs are cached by
+(call, mesh size, layout), since the cost model does not depend on where a mesh starts, and
+reallocation times by (role, source, destination) up to a shift by whole nodes.
+
+Schedule (see `planning.simulate` for the contract): iterations are dispatched one after the
+other, calls in graph order; every GPU runs what it is given in dispatch order. A call starts
+when its data parents (same iteration) and version parents (previous iteration) have finished
+and every GPU of its mesh is free. A trained role's non-train call whose placement differs from
+the train call's is preceded by a reallocation task on the union of both meshes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from planning.cost import CallCost, PlanningProblem, call_cost, call_cost_levels
+from planning.plan import Placement
+from planning.realloc_estimate import approx_realloc_s
+from planning.realloc_plan import estimate_realloc_s
+
+# A record of one scheduled task: (name, kind, iteration, gpu bitmask, start_s, end_s).
+TaskRecord = tuple[str, str, int, int, float, float]
+
+
+class ReallocCache:
+    """Reallocation seconds per (role, source, destination), shared across plan spaces.
+
+    exact=True asks `realloc_plan.estimate_realloc_s` (plans the transfers: what the simulator
+    reports); exact=False the closed form `realloc_estimate.approx_realloc_s` (what the search
+    ranks with). A plan is a function of node membership and GPU order only, so shifting both
+    placements by the same number of whole nodes gives the same time: the key is taken
+    relative to the first node either placement touches.
+    """
+
+    def __init__(self, problem: PlanningProblem, exact: bool = True) -> None:
+        self._problem = problem
+        self.exact = exact
+        self._seconds: dict[tuple, float | str] = {}
+
+    def seconds(self, role: str, src: Placement, dst: Placement) -> float | str:
+        """Seconds to move `role`'s weights from `src` to `dst`, or why it cannot be done."""
+        m = src.mesh.gpus_per_node
+        base = min(src.mesh.start, dst.mesh.start) // m * m
+        key = (role, src.layout, src.mesh.size, src.mesh.start - base, dst.layout, dst.mesh.size, dst.mesh.start - base)
+        found = self._seconds.get(key)
+        if found is None:
+            model = self._problem.models[role]
+            if not self.exact:
+                found = approx_realloc_s(model.spec, model.critic, src, dst, self._problem.cluster)
+            else:
+                try:
+                    found = estimate_realloc_s(model.spec, model.critic, src, dst, self._problem.cluster)
+                except ValueError as err:
+                    found = str(err)
+            self._seconds[key] = found
+        return found
+
+
+class CallCostCache:
+    """`call_cost` (whole GPU free) and `call_cost_levels` per (call, mesh size, layout): the
+    position of a mesh does not change them."""
+
+    def __init__(self, problem: PlanningProblem) -> None:
+        self._problem = problem
+        self._costs: dict[tuple, CallCost] = {}
+        self._levels: dict[tuple, list[CallCost]] = {}
+
+    def cost(self, call: str, placement: Placement) -> CallCost:
+        key = (call, placement.mesh.size, placement.layout)
+        found = self._costs.get(key)
+        if found is None:
+            found = call_cost(self._problem, self._problem.graph.mfc(call), placement)
+            self._costs[key] = found
+        return found
+
+    def levels(self, call: str, placement: Placement) -> list[CallCost]:
+        key = (call, placement.mesh.size, placement.layout)
+        found = self._levels.get(key)
+        if found is None:
+            found = call_cost_levels(self._problem, self._problem.graph.mfc(call), placement)
+            self._levels[key] = found
+        return found
+
+
+class PlanSpace:
+    """Candidate placements per call (graph order) and a fast evaluator of index vectors."""
+
+    def __init__(
+        self, problem: PlanningProblem, candidates: list[list[Placement]], iterations: int = 3,
+        costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
+    ) -> None:
+        graph = problem.graph
+        if len(candidates) != len(graph.mfcs):
+            raise ValueError(f"PlanSpace: {len(candidates)} candidate lists for {len(graph.mfcs)} calls")
+        if iterations < 1:
+            raise ValueError(f"iterations={iterations}: must be >= 1")
+        self.problem = problem
+        self.iterations = iterations
+        self.names = [m.name for m in graph.mfcs]
+        self.candidates = candidates
+        self.costs = costs or CallCostCache(problem)
+        self.reallocs = reallocs or ReallocCache(problem)
+        self.mem_limit = problem.cluster.hardware.mem_bytes
+        index = {name: i for i, name in enumerate(self.names)}
+        self.data_parents = [[index[p] for p in graph.data_parents(n)] for n in self.names]
+        self.version_parents = [[index[p] for p in graph.version_parents(n)] for n in self.names]
+        trained = set(graph.trained_roles)
+        homes = {m.role: index[m.name] for m in reversed(graph.mfcs) if m.kind == "train"}
+        self.roles = [m.role for m in graph.mfcs]
+        # home[c]: index of the train call whose copy call c is reallocated from, or -1.
+        self.home = [homes[m.role] if m.role in trained and homes[m.role] != c else -1 for c, m in enumerate(graph.mfcs)]
+        self.is_home = [m.role in trained and homes[m.role] == c for c, m in enumerate(graph.mfcs)]
+        self._precompute()
+        self._realloc_s: dict[tuple[int, int, int], float | str] = {}
+
+    # ---- precomputation --------------------------------------------------------------------------
+    def _precompute(self) -> None:
+        """Per call and candidate: GPU range and mask, resident bytes, and the memory levels as
+        (transient bytes, seconds) pairs, leanest first, each faster than every leaner one."""
+        self.mask: list[list[int]] = []
+        self.lo: list[list[int]] = []
+        self.hi: list[list[int]] = []
+        self.weights: list[list[float]] = []  # bf16 weights per GPU
+        self.optimizer: list[list[float]] = []  # optimizer state per GPU (train calls)
+        self.level_bytes: list[list[list[float]]] = []  # transient: beyond resident weights + optimizer
+        self.level_s: list[list[list[float]]] = []
+        self.reason: list[list[str]] = []
+        for name, cands in zip(self.names, self.candidates):
+            if not cands:
+                raise ValueError(f"PlanSpace: call {name} has no candidate placement")
+            self.mask.append([((1 << p.mesh.size) - 1) << p.mesh.start for p in cands])
+            self.lo.append([p.mesh.start for p in cands])
+            self.hi.append([p.mesh.start + p.mesh.size for p in cands])
+            weights, optimizer, level_bytes, level_s, reasons = [], [], [], [], []
+            for p in cands:
+                levels = self.costs.levels(name, p)
+                resident = levels[0].breakdown.get("weights_bytes", 0.0) + levels[0].breakdown.get("optimizer_bytes", 0.0)
+                weights.append(levels[0].breakdown.get("weights_bytes", 0.0))
+                optimizer.append(levels[0].breakdown.get("optimizer_bytes", 0.0))
+                pareto: list[tuple[float, float]] = []
+                for level in sorted(levels, key=lambda c: (c.mem_bytes, c.time_s)):
+                    if math.isfinite(level.time_s) and (not pareto or level.time_s < pareto[-1][1]):
+                        pareto.append((level.mem_bytes - resident, level.time_s))
+                reasons.append("" if pareto else levels[0].reason)
+                pareto = pareto or [(math.inf, math.inf)]
+                level_bytes.append([b for b, _ in pareto])
+                level_s.append([t for _, t in pareto])
+            self.weights.append(weights)
+            self.optimizer.append(optimizer)
+            self.level_bytes.append(level_bytes)
+            self.level_s.append(level_s)
+            self.reason.append(reasons)
+
+    def realloc_s(self, c: int, k: int, k_home: int) -> float | str:
+        """Seconds of the reallocation before call c on candidate k from its home on k_home
+        (0.0 when the placements are equal), or the reason it is impossible."""
+        key = (c, k, k_home)
+        found = self._realloc_s.get(key)
+        if found is None:
+            h = self.home[c]
+            src, dst = self.candidates[h][k_home], self.candidates[c][k]
+            found = 0.0 if src == dst else self.reallocs.seconds(self.roles[c], src, dst)
+            self._realloc_s[key] = found
+        return found
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(c) for c in self.candidates)
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def resident_terms(self, state: list[int]) -> list[tuple[int, int, float]]:
+        """Resident bytes as (lo, hi, bytes per GPU): each trained role's weights + optimizer on
+        its train mesh; each never-trained role's weights on every placement it runs on."""
+        static: list[tuple[int, int, float]] = []
+        seen: set[tuple[str, Placement]] = set()
+        for c, k in enumerate(state):
+            if self.is_home[c]:
+                static.append((self.lo[c][k], self.hi[c][k], self.weights[c][k] + self.optimizer[c][k]))
+            elif self.home[c] < 0:
+                key = (self.roles[c], self.candidates[c][k])
+                if key not in seen:
+                    seen.add(key)
+                    static.append((self.lo[c][k], self.hi[c][k], self.weights[c][k]))
+        return static
+
+    def call_levels(self, state: list[int]) -> tuple[list[float], list[float], float]:
+        """(seconds per call, transient bytes per call, worst memory excess). Each call takes its
+        fastest level that fits beside the resident bytes of its GPUs (plus its own reallocated
+        weights when it runs away from its train placement); a call with no fitting level takes
+        its leanest and the excess says by how much the plan overflows (<= 0: it fits)."""
+        static = self.resident_terms(state)
+        limit = self.mem_limit
+        seconds: list[float] = []
+        transient: list[float] = []
+        excess = -math.inf
+        for c, k in enumerate(state):
+            lo, hi = self.lo[c][k], self.hi[c][k]
+            resident = 0.0
+            # The fullest GPU of [lo, hi) is at lo or where a resident range starts inside it.
+            for point in [lo] + [a for a, _, _ in static if lo < a < hi]:
+                total = 0.0
+                for a, b, v in static:
+                    if a <= point < b:
+                        total += v
+                if total > resident:
+                    resident = total
+            h = self.home[c]
+            own = self.weights[c][k] if h >= 0 and self.candidates[c][k] != self.candidates[h][state[h]] else 0.0
+            budget = limit - resident - own
+            sizes, times = self.level_bytes[c][k], self.level_s[c][k]
+            pick = -1
+            for i, size in enumerate(sizes):
+                if size <= budget:
+                    pick = i
+            if pick < 0:
+                pick = 0
+                if sizes[0] - budget > excess:
+                    excess = sizes[0] - budget
+            seconds.append(times[pick])
+            transient.append(sizes[pick] + own)
+        return seconds, transient, excess
+
+    def memory_per_segment(self, state: list[int]) -> tuple[list[int], list[int], list[float]]:
+        """Peak bytes per maximal GPU range [lo, hi) on which the set of meshes is constant."""
+        static = self.resident_terms(state)
+        _, chosen, _ = self.call_levels(state)
+        transient = [(self.lo[c][k], self.hi[c][k], chosen[c]) for c, k in enumerate(state)]
+        bounds = sorted({b for lo, hi, _ in static + transient for b in (lo, hi)})
+        los, his, peaks = [], [], []
+        for lo, hi in zip(bounds, bounds[1:]):
+            resident = sum(v for a, b, v in static if a <= lo and hi <= b)
+            work = max((v for a, b, v in transient if a <= lo and hi <= b), default=0.0)
+            los.append(lo)
+            his.append(hi)
+            peaks.append(resident + work)
+        return los, his, peaks
+
+    def evaluate(self, state: list[int], record: list[TaskRecord] | None = None) -> tuple[float, str]:
+        """(steady-state seconds per iteration, reason the plan is infeasible or '')."""
+        for c, k in enumerate(state):
+            if self.reason[c][k]:
+                return math.inf, f"{self.names[c]}: {self.reason[c][k]}"
+        seconds, _, excess = self.call_levels(state)
+        if excess > 0:
+            return math.inf, f"peak memory exceeds the GPU by {excess / 2**30:.2f} GiB"
+        return self.schedule(state, seconds, record)
+
+    def schedule(self, state: list[int], seconds: list[float], record: list[TaskRecord] | None = None) -> tuple[float, str]:
+        """List-schedule `iterations` iterations with the given call durations; steady state =
+        (end of the last iteration - end of the first) / (iterations - 1), or the first
+        iteration's time when there is one."""
+        n = len(state)
+        task_masks: list[int] = []
+        task_ends: list[float] = []
+        prev_ends: list[float] = [0.0] * n
+        iter_ends: list[float] = []
+        mask, home = self.mask, self.home
+        for it in range(self.iterations):
+            ends = [0.0] * n
+            for c in range(n):
+                k = state[c]
+                version_ready = 0.0
+                if it:
+                    for v in self.version_parents[c]:
+                        if prev_ends[v] > version_ready:
+                            version_ready = prev_ends[v]
+                ready = version_ready
+                for p in self.data_parents[c]:
+                    if ends[p] > ready:
+                        ready = ends[p]
+                m = mask[c][k]
+                h = home[c]
+                if h >= 0:
+                    moving = self.realloc_s(c, k, state[h])
+                    if isinstance(moving, str):
+                        return math.inf, f"reallocation for {self.names[c]}: {moving}"
+                    if moving > 0.0:
+                        rm = m | mask[h][state[h]]
+                        start = version_ready
+                        for tm, te in zip(task_masks, task_ends):
+                            if te > start and tm & rm:
+                                start = te
+                        task_masks.append(rm)
+                        task_ends.append(start + moving)
+                        if record is not None:
+                            record.append((f"realloc:{self.names[h]}->{self.names[c]}", "realloc", it, rm, start, start + moving))
+                        if start + moving > ready:
+                            ready = start + moving
+                start = ready
+                for tm, te in zip(task_masks, task_ends):
+                    if te > start and tm & m:
+                        start = te
+                end = start + seconds[c]
+                task_masks.append(m)
+                task_ends.append(end)
+                ends[c] = end
+                if record is not None:
+                    record.append((self.names[c], "call", it, m, start, end))
+            iter_ends.append(max(ends))
+            prev_ends = ends
+        if self.iterations == 1:
+            return iter_ends[0], ""
+        return (iter_ends[-1] - iter_ends[0]) / (self.iterations - 1), ""

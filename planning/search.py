@@ -1,0 +1,323 @@
+"""Plan search: Metropolis-Hastings over placements, brute force, and the symmetric baseline.
+
+`search_plan(problem, mode, seconds, seed, manual)`:
+
+* search: MCMC (Metropolis-Hastings with simulated annealing) over one candidate placement per
+  call, minimising the simulated iteration time. Candidates come from `planning.candidates`;
+  the chain starts from the better of the symmetric baseline and each call's fastest
+  candidate. Moves: re-pick a call's (size, layout) class, shift it to another position,
+  align it with another call's mesh, or re-pick two calls at once. A plan over the memory
+  limit gets an inflated energy (`plan_energy`) so the chain can pass through it, but only
+  feasible plans can become the best. After `stall_steps` proposals without a new best the
+  chain restarts from the best plan found. Energies are cached per plan. The chain ranks
+  plans with the closed-form reallocation estimate (`planning.realloc_estimate`); its best
+  distinct plans are then re-scored with the exact one (`realloc_plan.estimate_realloc_s`, what
+  `simulate` uses), so the returned time is what `simulate` reports for the returned plan.
+* exhaustive: every combination of candidates (ValueError beyond `EXHAUSTIVE_LIMIT` plans),
+  re-scored the same way.
+* heuristic: the symmetric baseline (DeepSpeed-Chat / OpenRLHF style): every call on all GPUs
+  with one shared 3D layout, the best such layout that fits.
+* manual: evaluates the given plan.
+
+Everything random goes through one `random.Random(seed)`. The budget `seconds` bounds the
+MCMC's wall time, so results with the same seed agree as long as the chain does not run out of
+time at different steps; `max_steps` makes a run exactly reproducible.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from planning.candidates import CandidateOptions, call_candidates
+from planning.cost import PlanningProblem
+from planning.layout import Layout
+from planning.plan import ExecutionPlan, Placement
+from planning.plan_space import CallCostCache, PlanSpace, ReallocCache
+from planning.simulate import plan_space_for
+
+MODES = ("search", "exhaustive", "heuristic", "manual")
+EXHAUSTIVE_LIMIT = 2_000_000
+# Cost of an infeasible plan: far above any real iteration time, growing with the memory excess.
+PENALTY_S = 1e7
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen plan, its estimated iteration time, the baseline beside it and search stats."""
+
+    plan: ExecutionPlan
+    est_iteration_s: float
+    baseline_plan: ExecutionPlan | None
+    baseline_iteration_s: float
+    search_s: float
+    evaluated_plans: int
+    history: tuple[tuple[float, float], ...]
+
+    @property
+    def speedup(self) -> float:
+        """Baseline time / plan time (nan without a baseline)."""
+        if self.baseline_plan is None or not math.isfinite(self.baseline_iteration_s):
+            return math.nan
+        return self.baseline_iteration_s / self.est_iteration_s
+
+
+def symmetric_baseline(problem: PlanningProblem, iterations: int = 3) -> tuple[ExecutionPlan, float]:
+    """Every call on the whole cluster with one shared layout; the fastest layout that fits.
+    Raises ValueError when no layout of the full mesh fits."""
+    cluster = problem.cluster
+    layouts = cluster.layouts_for(cluster.full_mesh)
+    options = [Placement(cluster.full_mesh, layout) for layout in layouts]
+    space = PlanSpace(problem, [options] * len(problem.graph.mfcs), iterations)
+    best: tuple[float, int] | None = None
+    reasons = []
+    for k, placement in enumerate(options):
+        seconds, reason = space.evaluate([k] * len(problem.graph.mfcs))
+        if reason:
+            reasons.append(f"{placement.layout}: {reason}")
+        elif best is None or seconds < best[0]:
+            best = (seconds, k)
+    if best is None:
+        raise ValueError(f"symmetric baseline: no layout of the full {cluster.n_gpus}-GPU mesh fits ({'; '.join(reasons[:3])})")
+    placement = options[best[1]]
+    return ExecutionPlan(tuple((m.name, placement) for m in problem.graph.mfcs)), best[0]
+
+
+def search_plan(
+    problem: PlanningProblem, mode: str = "search", seconds: float = 60.0, seed: int = 0,
+    manual: ExecutionPlan | None = None, options: CandidateOptions | None = None,
+    max_steps: int | None = None, iterations: int = 3,
+) -> SearchResult:
+    """Find (or, in manual mode, evaluate) a plan; see the module docstring for the modes."""
+    if mode not in MODES:
+        raise ValueError(f"search mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
+    if seconds <= 0:
+        raise ValueError(f"seconds={seconds}: the search budget must be positive")
+    if (mode == "manual") != (manual is not None):
+        raise ValueError("mode='manual' needs `manual` (an ExecutionPlan), and only it takes one")
+    start = time.perf_counter()
+    try:
+        baseline_plan, baseline_s = symmetric_baseline(problem, iterations)
+    except ValueError:
+        if mode == "heuristic":
+            raise
+        baseline_plan, baseline_s = None, math.inf
+    if mode == "heuristic":
+        assert baseline_plan is not None
+        return SearchResult(baseline_plan, baseline_s, baseline_plan, baseline_s, time.perf_counter() - start, 1,
+                            ((time.perf_counter() - start, baseline_s),))
+    if mode == "manual":
+        assert manual is not None
+        space = plan_space_for(problem, manual, iterations)
+        seconds_per_iter, reason = space.evaluate([0] * len(space.names))
+        if reason:
+            raise ValueError(f"manual plan is infeasible: {reason}")
+        return SearchResult(manual, seconds_per_iter, baseline_plan, baseline_s, time.perf_counter() - start, 1,
+                            ((time.perf_counter() - start, seconds_per_iter),))
+    costs = CallCostCache(problem)
+    extra = {name: [p] for name, p in baseline_plan.placements} if baseline_plan else None
+    candidates = call_candidates(problem, costs, options, extra)
+    # Rank with the closed-form reallocation estimate, then re-score the best with the exact one.
+    fast = PlanSpace(problem, candidates, iterations, costs, ReallocCache(problem, exact=False))
+    exact = PlanSpace(problem, candidates, iterations, costs, ReallocCache(problem, exact=True))
+    elites = _Elites()
+    if mode == "exhaustive":
+        evaluated, history = _exhaustive(fast, start, elites)
+    else:
+        chain = _Chain(fast, random.Random(seed), start, seconds, max_steps, elites)
+        evaluated, history = chain.run(_initial_states(fast, baseline_plan))
+    state, best_s = _rescore(exact, elites.states())
+    if state is None:
+        raise ValueError(f"search found no feasible plan among {evaluated} evaluated (memory or reallocation limits)")
+    history.append((time.perf_counter() - start, best_s))
+    plan = ExecutionPlan(tuple((name, candidates[c][k]) for c, (name, k) in enumerate(zip(exact.names, state))))
+    return SearchResult(plan, best_s, baseline_plan, baseline_s, time.perf_counter() - start, evaluated, tuple(history))
+
+
+class _Elites:
+    """The `keep` best distinct feasible plans seen (by the search's energy)."""
+
+    def __init__(self, keep: int = 24) -> None:
+        self.keep = keep
+        self._energy: dict[tuple[int, ...], float] = {}
+        self.threshold = math.inf
+
+    def offer(self, state: tuple[int, ...], energy: float) -> None:
+        if energy >= self.threshold or state in self._energy:
+            return
+        self._energy[state] = energy
+        if len(self._energy) >= 2 * self.keep:
+            best = sorted(self._energy.items(), key=lambda kv: (kv[1], kv[0]))[: self.keep]
+            self._energy = dict(best)
+            self.threshold = best[-1][1]
+
+    def states(self) -> list[list[int]]:
+        ranked = sorted(self._energy.items(), key=lambda kv: (kv[1], kv[0]))[: self.keep]
+        return [list(state) for state, _ in ranked]
+
+
+def _rescore(exact: PlanSpace, states: list[list[int]]) -> tuple[list[int] | None, float]:
+    """The state with the lowest exact iteration time, or (None, inf) when none is feasible."""
+    best: tuple[float, list[int]] | None = None
+    for state in states:
+        seconds, reason = exact.evaluate(state)
+        if not reason and (best is None or seconds < best[0]):
+            best = (seconds, state)
+    return (best[1], best[0]) if best else (None, math.inf)
+
+
+def plan_cost(space: PlanSpace, state: list[int]) -> float:
+    """Seconds per iteration of a feasible plan; PENALTY_S and up for an infeasible one."""
+    energy, feasible = plan_energy(space, state)
+    return energy if feasible else PENALTY_S + energy
+
+
+def plan_energy(space: PlanSpace, state: list[int]) -> tuple[float, bool]:
+    """(energy, feasible) for the chain: a feasible plan's energy is its seconds per iteration;
+    a plan over the memory limit is scheduled anyway and its time inflated by 1.5x plus 10x
+    the fraction by which memory is exceeded, so the chain can cross a narrow infeasible
+    region (e.g. moving two models to disjoint halves one at a time) at high temperature.
+    A plan with an impossible reallocation has infinite energy."""
+    durations, _, excess = space.call_levels(state)
+    seconds, reason = space.schedule(state, durations)
+    if reason:
+        return math.inf, False
+    if excess > 0:
+        return seconds * (1.5 + 10.0 * excess / space.mem_limit), False
+    return seconds, True
+
+
+def _initial_states(space: PlanSpace, baseline: ExecutionPlan | None) -> list[list[int]]:
+    """Starting points: the baseline (when it is among the candidates) and each call's fastest."""
+    fastest = [min(range(len(d)), key=lambda k, d=d: d[k][-1]) for d in space.level_s]
+    states = [fastest]
+    if baseline is not None:
+        placements = baseline.as_dict()
+        states.append([cands.index(placements[name]) for name, cands in zip(space.names, space.candidates)])
+    return states
+
+
+def _exhaustive(space: PlanSpace, start: float, elites: _Elites) -> tuple[int, list[tuple[float, float]]]:
+    if space.size > EXHAUSTIVE_LIMIT:
+        sizes = " x ".join(str(len(c)) for c in space.candidates)
+        raise ValueError(f"exhaustive search: {space.size} plans ({sizes}) exceed the limit of {EXHAUSTIVE_LIMIT}; "
+                         "use mode='search' or fewer candidates (CandidateOptions)")
+    best = math.inf
+    history: list[tuple[float, float]] = []
+    evaluated = 0
+    for combo in itertools.product(*(range(len(c)) for c in space.candidates)):
+        state = list(combo)
+        evaluated += 1
+        durations, _, excess = space.call_levels(state)
+        if excess > 0:
+            continue
+        value, reason = space.schedule(state, durations)
+        if reason:
+            continue
+        elites.offer(combo, value)
+        if value < best:
+            best = value
+            history.append((time.perf_counter() - start, best))
+    return evaluated, history
+
+
+class _Chain:
+    """One annealed Metropolis-Hastings chain with restarts from the best plan."""
+
+    def __init__(self, space: PlanSpace, rng: random.Random, start: float, seconds: float, max_steps: int | None,
+                 elites: _Elites, stall_steps: int = 2000) -> None:
+        self.space, self.rng, self.start, self.elites = space, rng, start, elites
+        # Leave a little of the budget for re-scoring the best plans with the exact estimate.
+        self.deadline = start + 0.95 * seconds
+        self.seconds = seconds
+        self.max_steps = max_steps
+        self.stall_steps = stall_steps
+        self.cache: dict[tuple[int, ...], tuple[float, bool]] = {}
+        # Candidates of each call grouped by class (mesh size, layout) and by mesh start.
+        self.classes: list[list[list[int]]] = []
+        self.class_of: list[list[int]] = []
+        self.by_start: list[dict[int, list[int]]] = []
+        for cands in space.candidates:
+            groups: dict[tuple[int, Layout], int] = {}
+            members: list[list[int]] = []
+            owner: list[int] = []
+            starts: dict[int, list[int]] = {}
+            for k, p in enumerate(cands):
+                g = groups.setdefault((p.mesh.size, p.layout), len(groups))
+                if g == len(members):
+                    members.append([])
+                members[g].append(k)
+                owner.append(g)
+                starts.setdefault(p.mesh.start, []).append(k)
+            self.classes.append(members)
+            self.class_of.append(owner)
+            self.by_start.append(starts)
+
+    def energy(self, state: list[int]) -> tuple[float, bool]:
+        key = tuple(state)
+        found = self.cache.get(key)
+        if found is None:
+            found = plan_energy(self.space, state)
+            self.cache[key] = found
+            if found[1]:
+                self.elites.offer(key, found[0])
+        return found
+
+    def propose(self, state: list[int]) -> list[int]:
+        rng = self.rng
+        new = list(state)
+        if rng.random() < 0.15:  # re-pick two calls at once: crosses pairs of coupled moves
+            for c in rng.sample(range(len(state)), min(2, len(state))):
+                new[c] = rng.choice(rng.choice(self.classes[c]))
+            return new
+        c = rng.randrange(len(state))
+        move = rng.random()
+        if move < 0.5:  # a new (size, layout) class, at a random position
+            new[c] = rng.choice(rng.choice(self.classes[c]))
+        elif move < 0.8:  # the same class elsewhere
+            new[c] = rng.choice(self.classes[c][self.class_of[c][state[c]]])
+        else:  # align with another call's mesh (share GPUs, or share the placement exactly)
+            other = rng.randrange(len(state))
+            start = self.space.lo[other][state[other]]
+            options = self.by_start[c].get(start)
+            new[c] = rng.choice(options) if options else rng.randrange(len(self.space.candidates[c]))
+        return new
+
+    def run(self, starts: list[list[int]]) -> tuple[int, list[tuple[float, float]]]:
+        rng = self.rng
+        scored = [(self.energy(s), s) for s in starts]
+        (current_cost, _), current = min(scored, key=lambda x: x[0][0])
+        feasible_starts = [(e, s) for (e, ok), s in scored if ok]
+        best_cost, best = min(feasible_starts, key=lambda x: x[0]) if feasible_starts else (math.inf, list(current))
+        history = [(time.perf_counter() - self.start, best_cost)]
+        t0 = 0.05 * current_cost if math.isfinite(current_cost) else 1.0
+        evaluated, stall, step = len(starts), 0, 0
+        progress = 0.0
+        while True:
+            if step % 64 == 0:
+                now = time.perf_counter()
+                if now >= self.deadline:
+                    break
+                progress = (now - self.start) / self.seconds
+            if self.max_steps is not None:
+                if step >= self.max_steps:
+                    break
+                progress = step / self.max_steps
+            step += 1
+            temperature = t0 * (1.0 - progress) ** 2 + 1e-9
+            proposal = self.propose(current)
+            value, feasible = self.energy(proposal)
+            evaluated += 1
+            if value <= current_cost or rng.random() < math.exp(-(value - current_cost) / temperature):
+                current, current_cost = proposal, value
+            if feasible and value < best_cost:
+                best, best_cost, stall = list(proposal), value, 0
+                history.append((time.perf_counter() - self.start, best_cost))
+            else:
+                stall += 1
+                if stall >= self.stall_steps and math.isfinite(best_cost):
+                    current, current_cost, stall = list(best), best_cost, 0
+        return evaluated, history

@@ -1,0 +1,102 @@
+"""Iteration time and per-GPU memory of an execution plan, by list scheduling.
+
+Model (the same one the search optimises, through `planning.plan_space.PlanSpace`):
+
+* Iterations are dispatched one after another, calls in graph order, as the driver does; each
+  GPU executes what it is given in that order. Calls on disjoint meshes therefore run
+  concurrently and calls on overlapping meshes serialise.
+* A call waits for its data parents of the same iteration (`Graph.data_parents`) and its
+  version parents of the previous iteration (`Graph.version_parents`: the role's train call).
+* For a trained role, the train call's placement is where the weights (and optimizer) live.
+  Another call of that role on a different placement is preceded by a reallocation task
+  train -> call on the union of both meshes, which may start as soon as the new weights exist.
+  Never-trained roles (ref, reward) keep their weights where their calls run: no reallocation.
+* Steady-state iteration time = (end of the last iteration - end of the first) / (n - 1): the
+  first iteration carries the pipeline fill, later ones show cross-iteration overlap.
+* Memory per GPU = resident bytes (each trained role's weights + optimizer shard on its train
+  mesh; each never-trained role's weights on every placement it runs on) + the largest
+  transient of the calls on that GPU (activations, gradients, KV cache, and the weights of a
+  reallocated copy). Each call runs at the fastest of its memory levels (more micro-batches,
+  or generation in more rounds: `planning.cost.call_cost_levels`) that fits beside the
+  resident bytes of its GPUs, so a crowded GPU makes a call slower before it makes the plan
+  infeasible. A plan where even the leanest level does not fit is infeasible.
+
+Not modelled: moving call outputs between meshes (sequences and scalars, small next to weights)
+and CPU offload of idle weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planning.cost import PlanningProblem
+from planning.plan import ExecutionPlan
+from planning.plan_space import CallCostCache, PlanSpace, ReallocCache, TaskRecord
+
+
+@dataclass(frozen=True)
+class SimTask:
+    """One scheduled task: a call, or a reallocation named 'realloc:<train call>-><call>'."""
+
+    name: str
+    kind: str  # 'call' | 'realloc'
+    iteration: int
+    gpus: tuple[int, ...]
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """iteration_s: steady-state seconds per iteration, as scheduled even when the plan does not
+    fit in memory (then feasible is False and reason says why); inf when it cannot be scheduled."""
+
+    iteration_s: float
+    tasks: tuple[SimTask, ...]
+    peak_mem_bytes: dict[int, float]
+    feasible: bool
+    reason: str = ""
+
+
+def plan_space_for(
+    problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3,
+    costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
+) -> PlanSpace:
+    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem)."""
+    placements = plan.as_dict()
+    names = [m.name for m in problem.graph.mfcs]
+    missing = [n for n in names if n not in placements]
+    if missing:
+        raise ValueError(f"plan: no placement for calls {missing}; the graph has {names}")
+    extra = [n for n in placements if n not in names]
+    if extra:
+        raise ValueError(f"plan: calls {extra} are not in graph {problem.graph.algorithm} ({names})")
+    cluster = problem.cluster
+    for name, p in placements.items():
+        if p.mesh.gpus_per_node != cluster.gpus_per_node or p.mesh.start + p.mesh.size > cluster.n_gpus:
+            raise ValueError(
+                f"plan: mesh {p.mesh} of {name} is not inside the {cluster.nodes}x{cluster.gpus_per_node} cluster"
+            )
+    return PlanSpace(problem, [[placements[n]] for n in names], iterations, costs, reallocs)
+
+
+def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3) -> SimResult:
+    """Simulate `iterations` iterations of `plan` (see the module docstring)."""
+    space = plan_space_for(problem, plan, iterations)
+    state = [0] * len(space.names)
+    los, his, peaks = space.memory_per_segment(state)
+    peak = {g: 0.0 for g in range(problem.cluster.n_gpus)}
+    for lo, hi, value in zip(los, his, peaks):
+        for g in range(lo, hi):
+            peak[g] = value
+    records: list[TaskRecord] = []
+    durations, _, _ = space.call_levels(state)
+    iteration_s, schedule_reason = space.schedule(state, durations, records)
+    _, reason = space.evaluate(state)
+    return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason)
+
+
+def _task(record: TaskRecord) -> SimTask:
+    name, kind, iteration, mask, start, end = record
+    gpus = tuple(g for g in range(mask.bit_length()) if mask >> g & 1)
+    return SimTask(name, kind, iteration, gpus, start, end)
