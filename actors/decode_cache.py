@@ -91,7 +91,8 @@ class HeadMajorKVCache(KVCache):
         mask = visible[:, None, None, :]  # broadcast over heads and queries
         if kv_index is not None:
             # K/V replicated under tp with a non-repeat head map: pick one KV head per query head.
-            keys, values = expand_kv_heads(keys.transpose(1, 2), kv_index), expand_kv_heads(values.transpose(1, 2), kv_index)
+            keys = expand_kv_heads(keys.transpose(1, 2), kv_index)  # [B, L, Hq, D]
+            values = expand_kv_heads(values.transpose(1, 2), kv_index)
             out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
                                                  values.transpose(1, 2).to(q.dtype), attn_mask=mask,
                                                  scale=head_dim**-0.5)  # [B, Hq, 1, D]

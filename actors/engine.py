@@ -121,13 +121,18 @@ class ModelEngine:
         """The ZeRO-1 optimizer, created on first use so that its fp32 master copy is taken from
         the weights as they are then (after any checkpoint load). Call its `reload_master()` after
         overwriting the weights later."""
-        if self.optim_config is None:
-            raise ValueError("optimizer: this engine was built without optim_config")
         if self._optimizer is None:
+            if self.optim_config is None:
+                raise ValueError("optimizer: this engine was built without optim_config and none was set")
             self._optimizer = ShardedAdamW(named_trainable_parameters(self.model), self.optim_config,
                                            self.groups.dp_group, self.groups.mesh_group,
                                            norm_excluded_names(self.model, self.spec, self.groups))
         return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: ShardedAdamW) -> None:
+        """Install an optimizer built elsewhere (e.g. after a checkpoint load)."""
+        self._optimizer = optimizer
 
     # ---- batch splitting -------------------------------------------------------------------------
     def dp_share(self, batch: SequenceBatch) -> SequenceBatch:

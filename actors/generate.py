@@ -351,6 +351,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
 
 
 __all__ = [
-    "DecodeStep", "GenerationConfig", "GenerationOutput", "ResponseRecorder", "attend_length", "check_memory", "generate",
+    "DecodeStep", "GenerationConfig", "GenerationOutput", "ResponseRecorder", "attend_length", "check_memory",
+    "generate",
     "kv_cache_bytes", "logits_bytes", "parameter_key", "prepare_cache",
 ]

@@ -75,6 +75,15 @@ class _P2P:
     def _buffer(self, n_tokens: int) -> Tensor:
         return torch.empty(n_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
 
+    def send_next_async(self, tensor: Tensor) -> list[dist.Work]:
+        """Post a send to the next stage without waiting (wait on the returned works later).
+
+        Always batched (batch_isend_irecv), like `exchange`: with NCCL a plain isend would run on
+        a separate 2-rank communicator and never meet the peer's batched receive.
+        """
+        op = dist.P2POp(dist.isend, tensor, self.groups.next_stage_rank, self.groups.pp_group)
+        return dist.batch_isend_irecv([op])
+
     def exchange(self, send_next: Tensor | None = None, send_prev: Tensor | None = None,
                  recv_prev_tokens: int | None = None,
                  recv_next_tokens: int | None = None) -> tuple[Tensor | None, Tensor | None]:
@@ -164,7 +173,7 @@ def forward_fill_drain(model: Transformer, micro_batches: list[MicroBatch], grou
     first, last = groups.is_first_stage, groups.is_last_stage
     p2p = _P2P(groups, hidden_size, dtype, micro_batches[0].tokens.device)
     results: list[Tensor] = []
-    sends: list[tuple[dist.Work, Tensor]] = []  # keep the tensor alive until its send completes
+    sends: list[tuple[list[dist.Work], Tensor]] = []  # keep each tensor alive until its send completes
     for mb in micro_batches:
         received = None if first else p2p.exchange(recv_prev_tokens=mb.n_tokens)[0]
         out = model(mb.tokens if first else received, mb.packed)
@@ -172,9 +181,10 @@ def forward_fill_drain(model: Transformer, micro_batches: list[MicroBatch], grou
             results.append(head_fn(out, mb))
         else:
             out = out.contiguous()
-            sends.append((dist.isend(out, groups.next_stage_rank, groups.pp_group), out))
-    for work, _ in sends:
-        work.wait()
+            sends.append((p2p.send_next_async(out), out))
+    for works, _ in sends:
+        for work in works:
+            work.wait()
     return results
 
 

@@ -9,7 +9,8 @@ rank walks it in the same order and nothing deadlocks):
 
 1. Local transfers (a slice that stays on its GPU) are copies into the fresh destination shard.
 2. Transfers with one receiver go point-to-point. They are grouped per link (src, dst), packed
-   into messages, and run in rounds: round k posts the k-th batch of every link at once with
+   into messages, and run in rounds (`actors/realloc_schedule.py`): round k posts the k-th
+   batch of every link at once with
    `dist.batch_isend_irecv`, so opposite directions of a link and disjoint links run
    concurrently. Two rounds are in flight (round k+1 is packed and posted before round k is
    unpacked), and a round carries at most half a bucket per GPU however many peers it has.
@@ -29,20 +30,17 @@ communicator must already exist on every rank (run one world collective, e.g. a 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from actors.realloc_schedule import (
+    DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, Message, Segment, build_schedule, destination_slices,
+)
 from planning.realloc_plan import ReallocPlan, ShardSlice, Transfer
-
-MiB = 1024**2
-DEFAULT_BUCKET_BYTES = 256 * MiB
-# Slices at least this large travel as their own message, so contiguous ones need no packing.
-# Each message costs tens of microseconds of host time; below this size packing is cheaper.
-DIRECT_MIN_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -119,152 +117,6 @@ def broadcast_groups(plan: ReallocPlan) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted({tuple(sorted(t.group)) for t in plan.transfers if len(t.group) > 2}))
 
 
-# ---- schedule: a pure function of the plan, identical on every rank ------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """Rows [row_start, row_stop) along dim 0 of the piece a transfer moves."""
-
-    transfer: Transfer
-    row_start: int
-    row_stop: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        piece_shape = self.transfer.piece.shard_shape(self.transfer.shape)
-        return (self.row_stop - self.row_start,) + piece_shape[1:]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Segments sent together from `src` to every rank of `receivers` as one flat tensor."""
-
-    src: int
-    receivers: tuple[int, ...]
-    segments: tuple[Segment, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.segments)
-
-
-@dataclass(frozen=True)
-class ReallocSchedule:
-    local: tuple[Transfer, ...]
-    p2p_rounds: tuple[tuple[Message, ...], ...]  # messages of one round are posted together
-    broadcasts: tuple[Message, ...]  # run one after the other
-
-
-def build_schedule(plan: ReallocPlan, element_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   direct_min_bytes: int = DIRECT_MIN_BYTES) -> ReallocSchedule:
-    """Split the plan into local copies, point-to-point rounds and broadcasts (see module doc).
-
-    Two rounds are in flight at a time, so a round gives each GPU half a bucket, shared among
-    its links. Slices of at least `direct_min_bytes` travel as their own message.
-    """
-    if bucket_bytes < element_bytes:
-        raise ValueError(f"bucket_bytes={bucket_bytes}: must hold at least one element of {element_bytes} bytes")
-    by_key: dict[tuple[int, tuple[int, ...]], list[Transfer]] = {}
-    local: list[Transfer] = []
-    for t in plan.transfers:
-        if t.is_local:
-            local.append(t)
-        else:
-            by_key.setdefault((t.src_gpu, t.dst_gpus), []).append(t)
-    degree: dict[int, int] = {}  # point-to-point links per GPU, to split the bucket between them
-    for src, receivers in by_key:
-        if len(receivers) == 1:
-            for gpu in (src, receivers[0]):
-                degree[gpu] = degree.get(gpu, 0) + 1
-    p2p_limit = max(1, bucket_bytes // (2 * element_bytes * max(degree.values(), default=1)))
-    bcast_limit = bucket_bytes // element_bytes
-    link_batches: list[list[list[Message]]] = []
-    broadcasts: list[Message] = []
-    for (src, receivers), transfers in by_key.items():
-        limit = p2p_limit if len(receivers) == 1 else bcast_limit
-        messages = _pack_messages(src, receivers, transfers, limit, max(1, direct_min_bytes // element_bytes))
-        if len(receivers) == 1:
-            link_batches.append(_batch(messages, limit))
-        else:
-            broadcasts.extend(messages)
-    n_rounds = max((len(b) for b in link_batches), default=0)
-    rounds = tuple(tuple(m for b in link_batches if k < len(b) for m in b[k]) for k in range(n_rounds))
-    return ReallocSchedule(tuple(local), rounds, tuple(broadcasts))
-
-
-def _pack_messages(src: int, receivers: tuple[int, ...], transfers: list[Transfer], limit: int,
-                   direct_min: int) -> list[Message]:
-    """Messages of at most `limit` elements, in plan order; large slices alone, small ones packed."""
-    out: list[Message] = []
-    pending: list[Segment] = []
-    pending_numel = 0
-    for t in transfers:
-        for seg in _split_rows(t, limit):
-            if seg.numel >= direct_min:
-                out.append(Message(src, receivers, (seg,)))
-                continue
-            if pending and pending_numel + seg.numel > limit:
-                out.append(Message(src, receivers, tuple(pending)))
-                pending, pending_numel = [], 0
-            pending.append(seg)
-            pending_numel += seg.numel
-    if pending:
-        out.append(Message(src, receivers, tuple(pending)))
-    return out
-
-
-def _split_rows(t: Transfer, limit: int) -> list[Segment]:
-    """The piece of `t` cut along dim 0 into segments of at most `limit` elements."""
-    piece_shape = t.piece.shard_shape(t.shape)
-    row_numel = t.numel // piece_shape[0]
-    rows_per = max(1, limit // row_numel)
-    return [Segment(t, r, min(r + rows_per, piece_shape[0])) for r in range(0, piece_shape[0], rows_per)]
-
-
-def _batch(messages: list[Message], limit: int) -> list[list[Message]]:
-    """Consecutive messages grouped into batches of at most `limit` elements (one per round)."""
-    batches: list[list[Message]] = []
-    size = 0
-    for m in messages:
-        if not batches or (batches[-1] and size + m.numel > limit):
-            batches.append([])
-            size = 0
-        batches[-1].append(m)
-        size += m.numel
-    return batches
-
-
-def destination_slices(plan: ReallocPlan, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSlice]]:
-    """Parameter -> (full shape, slice) that `rank` holds after the plan: the union of its pieces."""
-    pieces: dict[str, list[Transfer]] = {}
-    for t in plan.transfers:
-        if rank in t.dst_gpus:
-            pieces.setdefault(t.param, []).append(t)
-    out: dict[str, tuple[tuple[int, ...], ShardSlice]] = {}
-    for name, transfers in pieces.items():
-        shape = transfers[0].shape
-        dims = {t.piece.dim for t in transfers}
-        if len(dims) != 1:
-            raise ValueError(f"plan for {name} on rank {rank}: pieces split along several dims {sorted(map(str, dims))}")
-        dim = dims.pop()
-        whole = ShardSlice(None, 0, shape[0])
-        slc = whole if dim is None else ShardSlice(dim, min(t.piece.start for t in transfers), max(t.piece.stop for t in transfers))
-        if slc.dim is not None and slc.stop - slc.start == shape[slc.dim]:
-            slc = whole  # pieces of a split source that rebuild the full tensor
-        if sum(t.numel for t in transfers) != slc.numel(shape):
-            raise ValueError(f"plan for {name} on rank {rank}: pieces do not tile the slice {slc} exactly once")
-        out[name] = (shape, slc)
-    return out
-
-
 # ---- execution ------------------------------------------------------------------------------------
 
 
@@ -335,26 +187,59 @@ class _Context:
         segs = [Segment(t, 0, t.piece.shard_shape(t.shape)[0]) for t in transfers]
         _copy_many([self.dst_view(s) for s in segs], [self.src_view(s) for s in segs])
 
-    def send_buffer(self, m: Message) -> torch.Tensor:
-        """The flat tensor to send: the shard view itself when possible, else a packed copy."""
+    def empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def send_buffer(self, m: Message, take: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The flat tensor to send: the shard view itself when possible, else a packed copy in
+        a buffer from `take(numel)`."""
         if len(m.segments) == 1:
             view = self.src_view(m.segments[0])
             if view.is_contiguous() and view.dtype == self.dtype and view.device == self.device:
                 return view.view(-1)
-        buf = torch.empty(m.numel, dtype=self.dtype, device=self.device)
+        buf = take(m.numel)
         _copy_many(_buffer_views(m, buf), [self.src_view(s) for s in m.segments])
         return buf
 
-    def recv_buffer(self, m: Message) -> tuple[torch.Tensor, bool]:
+    def recv_buffer(self, m: Message, take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """A flat tensor to receive into, and whether it is the destination view itself."""
         if len(m.segments) == 1:
             view = self.dst_view(m.segments[0])
             if view.is_contiguous():
                 return view.view(-1), True
-        return torch.empty(m.numel, dtype=self.dtype, device=self.device), False
+        return take(m.numel), False
 
     def unpack(self, m: Message, buf: torch.Tensor) -> None:
         _copy_many([self.dst_view(s) for s in m.segments], _buffer_views(m, buf))
+
+
+class _Staging:
+    """Packing buffers of the point-to-point rounds: two halves of one flat tensor, one per round
+    in flight, carved in order within a round and reused two rounds later.
+
+    Stream order makes the reuse safe: round k+2 is packed (current stream) and posted (the NCCL
+    stream waits for the current one) only after round k was waited for and unpacked. Reusing
+    one buffer also keeps the caching allocator out of the loop: blocks NCCL used on its stream
+    are not free at once, so an allocation per message kept asking the driver for new memory.
+    """
+
+    def __init__(self, half: int, ctx: _Context) -> None:
+        self._half = half
+        self._ctx = ctx
+        self._buf = ctx.empty(2 * half) if half else None
+        self._round = -1
+        self._cursor = 0
+
+    def next_round(self) -> None:
+        self._round += 1
+        self._cursor = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self._buf is None or self._cursor + numel > self._half:
+            return self._ctx.empty(numel)  # a single row larger than a round's share
+        start = (self._round % 2) * self._half + self._cursor
+        self._cursor += numel
+        return self._buf.narrow(0, start, numel)
 
 
 def _buffer_views(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -380,8 +265,11 @@ def _run_p2p(rounds: tuple[tuple[Message, ...], ...], ctx: _Context, local: list
     local copies run once the first round is in flight. Returns the number of messages posted."""
     in_flight: list[tuple[list[dist.Work], list[tuple[Message, torch.Tensor]]]] = []
     n_posted = 0
-    for messages in rounds:
-        works, to_unpack, n = _post_round(messages, ctx, sent, received, element_bytes)
+    mine = [[m for m in messages if ctx.rank == m.src or ctx.rank in m.receivers] for messages in rounds]
+    staging = _Staging(max((sum(m.numel for m in ms) for ms in mine), default=0), ctx)
+    for messages in mine:
+        staging.next_round()
+        works, to_unpack, n = _post_round(messages, ctx, staging, sent, received, element_bytes)
         n_posted += n
         if n and local:
             ctx.copy_local(local)
@@ -395,18 +283,18 @@ def _run_p2p(rounds: tuple[tuple[Message, ...], ...], ctx: _Context, local: list
     return n_posted
 
 
-def _post_round(messages: tuple[Message, ...], ctx: _Context, sent: dict[int, int], received: dict[int, int],
-                element_bytes: int) -> tuple[list[dist.Work], list[tuple[Message, torch.Tensor]], int]:
+def _post_round(messages: list[Message], ctx: _Context, staging: _Staging, sent: dict[int, int],
+                received: dict[int, int], element_bytes: int) -> tuple[list[dist.Work], list[tuple[Message, torch.Tensor]], int]:
     """Pack and post this rank's sends and receives of one round together (one NCCL group)."""
     ops: list[dist.P2POp] = []
     to_unpack: list[tuple[Message, torch.Tensor]] = []
     for m in messages:
         nbytes = m.numel * element_bytes
         if m.src == ctx.rank:
-            ops.append(dist.P2POp(dist.isend, ctx.send_buffer(m), m.receivers[0]))
+            ops.append(dist.P2POp(dist.isend, ctx.send_buffer(m, staging.take), m.receivers[0]))
             sent[m.receivers[0]] = sent.get(m.receivers[0], 0) + nbytes
         elif m.receivers[0] == ctx.rank:
-            buf, direct = ctx.recv_buffer(m)
+            buf, direct = ctx.recv_buffer(m, staging.take)
             ops.append(dist.P2POp(dist.irecv, buf, m.src))
             received[m.src] = received.get(m.src, 0) + nbytes
             if not direct:
@@ -428,12 +316,12 @@ def _run_broadcast(m: Message, ctx: _Context, groups: ReallocGroups, sent: dict[
     """Broadcast one message in its group when this rank is its source or a receiver."""
     nbytes = m.numel * element_bytes
     if m.src == ctx.rank:
-        dist.broadcast(ctx.send_buffer(m), src=m.src, group=groups.get((m.src,) + m.receivers))
+        dist.broadcast(ctx.send_buffer(m, ctx.empty), src=m.src, group=groups.get((m.src,) + m.receivers))
         for r in m.receivers:
             sent[r] = sent.get(r, 0) + nbytes
         return 1
     if ctx.rank in m.receivers:
-        buf, direct = ctx.recv_buffer(m)
+        buf, direct = ctx.recv_buffer(m, ctx.empty)
         dist.broadcast(buf, src=m.src, group=groups.get((m.src,) + m.receivers))
         if not direct:
             ctx.unpack(m, buf)
@@ -487,7 +375,4 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES", "Message", "ReallocGroups", "ReallocSchedule", "ReallocStats", "Segment",
-    "broadcast_groups", "build_schedule", "destination_slices", "execute_reallocation",
-]
+__all__ = ["ReallocGroups", "ReallocStats", "broadcast_groups", "execute_reallocation"]

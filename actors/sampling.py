@@ -147,7 +147,8 @@ def sample_logits(logits: Tensor, params: SamplingParams, uniforms: Tensor | Non
         counts = torch.ones(n_rows, dtype=torch.int32, device=logits.device)
         return SampledTokens(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), counts)
     if uniforms is None or uniforms.shape != (n_rows,):
-        raise ValueError(f"uniforms: need float [{n_rows}] for sampling, got {None if uniforms is None else tuple(uniforms.shape)}")
+        got = None if uniforms is None else tuple(uniforms.shape)
+        raise ValueError(f"uniforms: need float [{n_rows}] for sampling, got {got}")
     sorted_logits, order = _scaled_sorted(logits, params)
     if params.truncates:
         counts = _kept_counts(sorted_logits, params)

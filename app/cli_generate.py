@@ -8,7 +8,8 @@ The layout (`--layout tp2,pp1`, dp allowed too) runs through local processes sta
 (torch.multiprocessing, gloo on CPU, nccl on GPU, one process per GPU) until the Ray runtime
 takes over; a 1-rank layout runs in this process. Every dp replica generates its share of the
 prompts; the (tp 0, pp 0) rank of each replica writes its results to a scratch file that this
-process merges, decodes and writes out.
+process merges, decodes and writes out. `--ray` runs the ranks as Ray workers instead
+(app/ray_jobs.py: virtual GPUs on CPU, or the cluster at RAY_ADDRESS).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def add_parser(subparsers: Any) -> None:
         "generate", help="batch generation from a JSONL file of prompts with an HF checkpoint",
         description="Generate a response for every `prompt` of a JSONL file; write one JSON object per line.",
     )
-    parser.add_argument("--model", required=True, metavar="HF_DIR", help="HF checkpoint directory (config, weights, tokenizer)")
-    parser.add_argument("--data", required=True, metavar="PROMPTS.jsonl", help="one JSON object with a `prompt` per line")
+    parser.add_argument("--model", required=True, metavar="HF_DIR",
+                        help="HF checkpoint directory (config, weights, tokenizer)")
+    parser.add_argument("--data", required=True, metavar="PROMPTS.jsonl",
+                        help="one JSON object with a `prompt` per line")
     parser.add_argument("--out", required=True, metavar="OUT.jsonl", help="where to write the results")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -45,6 +48,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--layout", default="tp1,pp1", help="e.g. tp2,pp1 or dp2tp1pp2 (one process per rank)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generation call per dp replica")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--ray", action="store_true",
+                        help="run the layout's ranks as Ray workers (virtual GPUs on CPU, or RAY_ADDRESS's cluster)")
     parser.set_defaults(run=run)
 
 
@@ -87,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and torch.cuda.device_count() < layout.world_size:
         raise ValueError(f"--layout {args.layout}: needs {layout.world_size} GPUs, {torch.cuda.device_count()} visible")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -97,9 +104,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.data}: lines {empty} tokenize to no tokens")
     job = GenerationJob(str(model_dir), token_ids, args.max_new_tokens, sampling, args.seed,
                         tokenizer.eos_token_id, tokenizer.pad_token_id or 0, args.batch_size, device)
-    with tempfile.TemporaryDirectory(prefix="realray-generate-") as scratch:
-        run_layout(layout, job, scratch)
-        results = merge_results(Path(scratch), layout.dp)
+    if args.ray:  # one Ray worker per rank (app/ray_jobs.py); the same sampling parameters
+        from app.ray_jobs import generate_on_ray
+
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                  "top_p": args.top_p, "seed": args.seed, "eos_token_id": job.eos_token_id, "pad_token_id": job.pad_token_id}
+        results = generate_on_ray(str(model_dir), spec, layout, token_ids, params, args.batch_size)
+    else:
+        with tempfile.TemporaryDirectory(prefix="realray-generate-") as scratch:
+            run_layout(layout, job, scratch)
+            results = merge_results(Path(scratch), layout.dp)
     with out_path.open("w") as sink:
         for prompt, (tokens, logprobs) in zip(prompts, results):
             record = {"prompt": prompt, "response": tokenizer.decode(tokens, skip_special_tokens=True),
@@ -164,7 +178,8 @@ def generate_rank(rank: int, layout: Layout, job: GenerationJob, scratch: str, p
     dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
     spec = ModelSpec.from_hf_config(job.model_dir)
     coords = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
-    model = build_model_shard(spec, False, layout, coords, groups if port is not None else None, device, torch.float32, seed=None)
+    model_groups = groups if port is not None else None
+    model = build_model_shard(spec, False, layout, coords, model_groups, device, torch.float32, seed=None)
     load_hf_checkpoint(job.model_dir, spec, False, model, groups.tp_rank, layout.tp)
     model = model.to(dtype).eval()
     config = GenerationConfig(job.max_new_tokens, job.sampling, seed=job.seed, eos_token_id=job.eos_token_id,

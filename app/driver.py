@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayError
 
 from actors.advantages import make_kl_controller
+from actors.worker import CallSpec
 from app.algorithms import call_params
 from app.checkpoint import checkpoint_dir, is_due, mark_complete
 from app.config import ExperimentConfig
@@ -161,13 +162,14 @@ class Driver:
             if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == self._last_train():
                 submitted.extend(self._maybe_checkpoint(i))
         target = checkpoint_dir(self.run_dir, i + 1) if self._checkpoint_due(i) else None
-        self._pending.append(PendingIteration(i, submitted, sum(len(e.prompt_ids) for e in batch), target))
+        # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
+        samples = self._n_sequences() // len(batch)
+        prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
+        self._pending.append(PendingIteration(i, submitted, prompt_tokens, target))
         self._next_iteration += 1
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
                      outputs: dict[str, SubmittedOp]) -> SubmittedOp:
-        from actors.worker import CallSpec
-
         mfc, placement = op.mfc, op.placement
         n_rows = mfc.batch.n_seqs
         spec = CallSpec(mfc.name, mfc.role, mfc.kind, placement, i, n_rows, params)
@@ -176,9 +178,11 @@ class Driver:
         for rank in op.ranks:
             args: list[ray.ObjectRef] = [prompts_ref] if mfc.kind == "generate" else []
             for parent in self.graph.data_parents(mfc.name):
-                producer = outputs[parent]
-                needed = shards_needed(placement, rank, self.plan[parent], n_rows, all_rows)
-                args.extend(producer.data_refs[o.rank] for o in needed)
+                # Rows of producer and consumer are the same sequences unless their counts differ.
+                parent_rows = self.graph.mfc(parent).batch.n_seqs
+                needed = shards_needed(placement, rank, self.plan[parent], parent_rows,
+                                       all_rows or parent_rows != n_rows)
+                args.extend(outputs[parent].data_refs[o.rank] for o in needed)
             meta_ref, data_ref = self.workers.actor(rank).run_call.options(num_returns=2).remote(spec, *args)
             metas.append(meta_ref)
             datas[rank] = data_ref
@@ -196,6 +200,10 @@ class Driver:
     def _dst_call(self, op: ReallocOp) -> str:
         """The call a reallocation prepares (the first call of the role on its destination)."""
         return next(m.name for m in self.graph.mfcs if m.role == op.role and self.plan[m.name] == op.dst)
+
+    def _n_sequences(self) -> int:
+        """Sequences generated per iteration (the first generation call's rows)."""
+        return next(m.batch.n_seqs for m in self.graph.mfcs if m.kind == "generate")
 
     def _last_train(self) -> Any:
         return [m for m in self.graph.mfcs if m.kind == "train"][-1]
@@ -249,8 +257,7 @@ class Driver:
         records: list[TimelineRecord] = []
         call_metas: dict[str, list[dict[str, Any]]] = {}
         for sub in pending.ops:
-            kind = "realloc" if sub.kind == "realloc" else sub.kind
-            records += records_of(pending.iteration, sub.name, kind, sub.ranks, metas[sub])
+            records += records_of(pending.iteration, sub.name, sub.kind, sub.ranks, metas[sub])
             if sub.kind == "call":
                 call_metas[sub.name] = [m for m in metas[sub] if isinstance(m, dict)]
         if pending.checkpoint is not None:
@@ -260,11 +267,11 @@ class Driver:
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
         metrics = {**timing_metrics(records, self._previous_end), **rollout_metrics(call_metas, kinds)}
-        metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self.cfg.batch.prompts,
+        metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self._n_sequences(),
                                                 self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]
         if "actor/kl" in metrics:  # adapts the coefficient of the iterations submitted from now on
-            self.kl.update(metrics["actor/kl"], self.cfg.batch.prompts)
+            self.kl.update(metrics["actor/kl"], self._n_sequences())
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
         return {"iteration": float(pending.iteration), **metrics}

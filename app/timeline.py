@@ -85,7 +85,9 @@ def timing_metrics(records: Sequence[TimelineRecord], previous_end: float | None
 
 
 def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str, str]) -> dict[str, float]:
-    """Rewards and response lengths from the owners' metadata, plus veRL-named scalars.
+    """veRL-named scalars averaged over the ranks reporting them; rewards and response lengths
+    from the owners' metadata where no call reported `rollout/reward_mean` and
+    `rollout/response_length_mean` itself.
 
     call_metas: call name -> metadata dicts of its ranks. kinds: call name -> generate | ... .
     """
@@ -103,10 +105,11 @@ def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str
                 if "/" in key and isinstance(value, (int, float)) and not isinstance(value, bool):
                     scalars[key].append(float(value))
     metrics = {key: sum(values) / len(values) for key, values in scalars.items()}
+    # The train call's own figures (whole batch, sampled responses only) win over these.
     if rewards:
-        metrics["rollout/reward_mean"] = sum(rewards) / len(rewards)
+        metrics.setdefault("rollout/reward_mean", sum(rewards) / len(rewards))
     if lengths:
-        metrics["rollout/response_length_mean"] = sum(lengths) / len(lengths)
+        metrics.setdefault("rollout/response_length_mean", sum(lengths) / len(lengths))
     return metrics
 
 

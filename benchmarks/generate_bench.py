@@ -67,7 +67,8 @@ def parse_args() -> argparse.Namespace:
                         help="comma list of eager|graph[+matmul][+compile]")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, gloo)")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
-    parser.add_argument("--profile", action="store_true", help="also print the top kernels of 16 decode steps of the last mode")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the top kernels of 16 decode steps of the last mode")
     args = parser.parse_args()
     if args.tiny:
         args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16

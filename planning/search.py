@@ -8,7 +8,8 @@
   candidate. Moves: re-pick a call's (size, layout) class, shift it to another position,
   align it with another call's mesh, or re-pick two calls at once. A plan over the memory
   limit gets an inflated energy (`plan_energy`) so the chain can pass through it, but only
-  feasible plans can become the best. After `stall_steps` proposals without a new best the
+  feasible plans can become the best. Temperature: 5% of the starting energy, annealed as
+  (1 - elapsed / budget)^2. After `stall_steps` proposals without a new best the
   chain restarts from the best plan found. Energies are cached per plan. The chain ranks
   plans with the closed-form reallocation estimate (`planning.realloc_estimate`); its best
   distinct plans are then re-scored with the exact one (`realloc_plan.estimate_realloc_s`, what
@@ -17,7 +18,7 @@
   re-scored the same way.
 * heuristic: the symmetric baseline (DeepSpeed-Chat / OpenRLHF style): every call on all GPUs
   with one shared 3D layout, the best such layout that fits.
-* manual: evaluates the given plan.
+* manual: evaluates the given plan (ValueError naming the reason when it does not fit).
 
 Everything random goes through one `random.Random(seed)`. The budget `seconds` bounds the
 MCMC's wall time, so results with the same seed agree as long as the chain does not run out of

@@ -9,7 +9,9 @@
   critic training ended (cross-iteration overlap);
 * a worker that dies and a worker that stalls end the run with a DriverError naming the call
   and the worker, and leave metrics.jsonl valid;
-* the learning check (40 iterations; marked slow-ish, see LEARNING_BUDGET_S).
+* the learning check: 40 iterations of the default config; the mean reward of the last 5 must
+  exceed the first 5 by LEARNING_MARGIN. Measured on the 2-core dev machine (2026-11-30): first 5
+  0.012, last 5 0.385 (margin 0.37) in 49 s, so it runs in CI (well under 3 minutes).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ISSUE_METRICS = ("rollout/reward_mean", "rollout/response_length_mean", "actor/p
 CRITIC_DELAY_S = 1.5
 # The learning run's budget on this 2-core machine (the issue's target is 5 minutes).
 LEARNING_BUDGET_S = 300.0
+LEARNING_MARGIN = 0.15
 
 
 def tiny_config(run_dir: Path, *overrides: str):
@@ -150,8 +153,6 @@ def test_stalled_worker_times_out_naming_call_and_worker(ray_session: None, tmp_
     assert "critic_train" in message and "worker-n0-g2" in message and "no progress" in message
 
 
-@pytest.mark.skipif(os.environ.get("REALRAY_LEARNING_TEST") != "1",
-                    reason="40-iteration learning check; set REALRAY_LEARNING_TEST=1 (CI runs it)")
 def test_ppo_learns_the_toy_task(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
     cfg = tiny_config(tmp_path, "checkpoint.at_end=false")
     started = time.monotonic()
@@ -161,7 +162,7 @@ def test_ppo_learns_the_toy_task(ray_session: None, tmp_path: Path) -> None:  # 
     assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"learning: first 5 {first:.3f}, last 5 {last:.3f}, {elapsed:.0f} s")
-    assert last > first + 0.15, f"reward did not climb: first 5 {first:.3f}, last 5 {last:.3f}"
+    assert last > first + LEARNING_MARGIN, f"reward did not climb: first 5 {first:.3f}, last 5 {last:.3f}"
     assert elapsed < LEARNING_BUDGET_S
 
 
@@ -211,3 +212,47 @@ def test_score_on_ray_matches_transformers(ray_session: None, tmp_path: Path) ->
             logits = reference(torch.tensor([ids])).logits[0].float()
         expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(row["logprobs"]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_on_ray_matches_the_local_path_greedy(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    from app.__main__ import main
+
+    model_dir = tiny_hf_model(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2", "w3", "w4 w5 w6"]))
+    common = ["generate", "--model", str(model_dir), "--data", str(data), "--max-new-tokens", "5",
+              "--temperature", "0", "--device", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "local.jsonl")]) == 0
+    assert main([*common, "--out", str(tmp_path / "ray.jsonl"), "--ray", "--layout", "dp1tp2pp1",
+                 "--batch-size", "2"]) == 0
+    local = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
+    remote = [json.loads(line) for line in (tmp_path / "ray.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in remote] == ["w1 w2", "w3", "w4 w5 w6"]
+    assert [r["response_tokens"] for r in remote] == [r["response_tokens"] for r in local]
+    for a, b in zip(remote, local):
+        assert len(a["response_tokens"]) >= 1
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize("algorithm, extra", [("grpo", ["batch.group_size=4"]), ("remax", [])])
+def test_other_algorithms_run_through_the_driver(ray_session: None, tmp_path: Path, algorithm: str,  # noqa: F811
+                                                 extra: list[str]) -> None:
+    cfg = tiny_config(tmp_path, f"algorithm={algorithm}", "plan.mode=heuristic", "batch.prompts=16",
+                      "run.iterations=2", *extra)
+    rows = Driver(cfg, tmp_path).run()
+    assert [int(r["iteration"]) for r in rows] == [0, 1]
+    assert all(r["actor/pg_loss"] == r["actor/pg_loss"] and r["rollout/reward_mean"] >= 0 for r in rows)
+    assert (tmp_path / "checkpoints" / "iter_2" / "actor" / "config.json").is_file()
+    assert not (tmp_path / "checkpoints" / "iter_2" / "critic").exists()  # neither trains a critic
+
+
+def test_train_command_in_process(ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    from app.__main__ import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "--iterations", "2", "--run-dir", str(run_dir),
+                 "tracking.console=false", "checkpoint.at_end=false"]) == 0
+    out = capsys.readouterr().out
+    assert f"run directory: {run_dir}" in out and "2 iterations; reward mean" in out
+    assert [m["iteration"] for m in read_metrics(run_dir)] == [0, 1]
+    assert not (run_dir / "checkpoints").exists()

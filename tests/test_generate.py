@@ -227,6 +227,19 @@ def test_head_major_cache_decode_equals_base_cache_and_buckets_change_nothing(fa
 
 
 @pytest.mark.unit
+def test_kv_cache_bytes_match_the_allocated_cache() -> None:
+    from actors.generate import kv_cache_bytes, prepare_cache
+
+    model = ours_from_hf(build_hf("Qwen2"))
+    prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)
+    config = GenerationConfig(max_new_tokens=5)
+    _, batch, cache = prepare_cache(model, prompts, config, torch.device("cpu"))
+    allocated = sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
+    assert allocated == kv_cache_bytes(model, len(prompts), batch.max_seqlen + 5, torch.float32)
+    assert cache.k[0].shape == (len(prompts), 2, batch.max_seqlen + 5, 8)  # [B, Hkv, max_len, D]
+
+
+@pytest.mark.unit
 def test_packed_prompt_order_and_single_prompt() -> None:
     model = ours_from_hf(build_hf("Llama"))
     prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)

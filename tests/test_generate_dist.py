@@ -81,9 +81,27 @@ def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, st
             model.eval()
             for name, config in configs(eos).items():
                 config = GenerationConfig(**{**config.__dict__, "pp_micro_batches": micro_batches})
-                results[f"{family}/{layout_text}/{micro_batches}/{name}"] = summary(generate(model, prompts, config, groups))
+                out = generate(model, prompts, config, groups)
+                results[f"{family}/{layout_text}/{micro_batches}/{name}"] = summary(out)
+                if layout.tp > 1 and name == "sampled":
+                    results[f"{family}/train-side"] = train_side_logprobs(model, out, groups.tp_group)
             destroy_parallel_groups(groups)
     return results
+
+
+def train_side_logprobs(model: Transformer, out: GenerationOutput, tp_group: Any) -> list[float]:
+    """Response logprobs as training computes them under tp: vocab-parallel logits, the sampling
+    mask from kept counts (actors.sampling.allowed_tokens), actors/logprobs.py."""
+    from actors.logprobs import vocab_parallel_logprobs
+    from actors.sampling import allowed_tokens
+    from tests.test_generate import response_rows
+
+    rows = response_rows(out)
+    with torch.no_grad():
+        logits = model(out.tokens, out.packed_batch())[rows]  # [R, V/tp]
+    allowed = allowed_tokens(logits, out.sampling, out.kept_counts, tp_group)
+    logprobs = vocab_parallel_logprobs(logits, out.tokens[rows + 1], tp_group, out.sampling.temperature, allowed)
+    return logprobs.tolist()
 
 
 def hf_greedy(hf: transformers.PreTrainedModel, prompt: torch.Tensor, eos: int | None) -> list[int]:
@@ -118,6 +136,11 @@ def test_generation_under_tp2_and_pp2_matches_transformers_and_serial(tmp_path: 
         }
     per_rank = run_distributed(generate_under_layouts, 2, cases)
     assert per_rank[0].keys() == per_rank[1].keys()
+    for family in FAMILIES:
+        for rank_result in per_rank:
+            train_side = torch.tensor(rank_result.pop(f"{family}/train-side"))
+            sampled = torch.tensor(references[family]["serial"]["sampled"]["logprobs"])
+            assert torch.allclose(train_side, sampled, atol=1e-4), family
     for key, result in per_rank[0].items():
         family, _, _, name = key.split("/")
         ref = references[family]

@@ -1,5 +1,5 @@
-"""Parameter reallocation executor (actors/realloc.py): exact resharding over gloo, plus its schedule,
-its process-group cache, and the memory rules of actors/offload.py.
+"""Parameter reallocation executor (actors/realloc.py): exact resharding over gloo, plus its schedule
+(actors/realloc_schedule.py), its process-group cache, and the memory rules of actors/offload.py.
 
 The dist test spawns 4 processes once and runs the whole grid of (source, destination) placements
 inside them: every rank builds the same seeded full model, slices its source shards with
@@ -19,9 +19,8 @@ from actors.engine import ModelEngine, SequenceBatch
 from actors.losses import LossSums
 from actors.offload import ModelCopies, offload_to_cpu, reload_to_device
 from actors.optim import AdamWConfig
-from actors.realloc import (
-    ReallocGroups, broadcast_groups, build_schedule, destination_slices, execute_reallocation,
-)
+from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation
+from actors.realloc_schedule import build_schedule, destination_slices
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec, param_specs
 from planning.plan import Placement
