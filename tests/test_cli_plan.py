@@ -47,7 +47,7 @@ def test_every_example_plans(example: str) -> None:
 
 
 def test_json_is_one_object_with_the_schema() -> None:
-    done = plan_cli(TINY, FAST, "--json")
+    done = plan_cli(TINY, FAST, "plan.mode=search", "--json")  # ppo-tiny pins a manual plan
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)  # fails unless stdout is exactly one JSON document
     for key in ("calls", "est_iteration_s", "baseline_iteration_s", "search_s", "evaluated_plans", "plan"):
@@ -100,7 +100,7 @@ def test_gantt_writes_a_png_and_flags_mix_with_overrides(tmp_path: Path) -> None
     ([TINY, "batch.prompts=lots"], "batch.prompts"),
     ([TINY, "algorithm=sft"], "algorithm"),
     ([TINY, "cluster.gpu=tpu"], "cluster.gpu"),
-    ([TINY, "plan.mode=manual"], "plan.manual"),
+    ([TINY, "plan.mode=manual", "plan.manual=null"], "plan.manual"),
     ([TINY, *manual_overrides({"actor_gen": "dp4tp3"}), ], "plan.manual.actor_gen.layout"),
     ([TINY, *manual_overrides({}), "plan.manual.actor_gen.mesh=n2"], "plan.manual.actor_gen.mesh"),
     ([TINY, "models.actor.preset=llama-70b", "models.critic.preset=llama-7b", "cluster.gpu=h100-80g"], "cluster"),

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# All GPU benchmarks in one device call (two H200s). From the project root, after
+# `bash ../shared/gpu/prepare-wheels.sh` filled .whl/ here:
+#   run(command="bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2")
+# Each benchmark prints a table last; outputs land in $OUT (or ./out) as <name>.txt.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-out}; mkdir -p "$out"
+nvidia-smi -L | tee "$out/gpus.txt"
+run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
+only=${ONLY:-engine,generate,realloc}
+[[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py
+[[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py
+[[ $only == *generate* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 --modes graph
+[[ $only == *realloc* ]] && run realloc python3 benchmarks/realloc_bench.py
+exit 0
