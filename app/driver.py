@@ -21,7 +21,7 @@ metrics.jsonl, timeline.jsonl and complete checkpoints written before stay valid
 from __future__ import annotations
 
 import json
-import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,8 +330,8 @@ class Driver:
                 write_gantt(self.records, self.problem, self.plan, self.run_dir / "gantt.png")
                 table = timing_table(self.records, self.problem, self.plan)
                 (self.run_dir / "timings.json").write_text(json.dumps(table, indent=1))
-            except (OSError, ValueError) as exc:
-                print(f"warning: could not write the Gantt chart / timings: {exc}")
+            except (OSError, ValueError) as exc:  # reports are extras: never fail a finished run
+                warnings.warn(f"could not write the Gantt chart / timings in {self.run_dir}: {exc}", stacklevel=2)
         if self.tracker is not None:
             self.tracker.close()
         self._pending.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -81,7 +82,9 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
     tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     try:
-        settings = settings_from_config(cfg, tokenizer_spec, reward_fn, eos, pad)
+        # Workers decode responses only for a rule-based reward (a reward model reads token ids),
+        # so a data tokenizer smaller than the model's vocabulary (the toy one) stays usable.
+        settings = settings_from_config(cfg, tokenizer_spec if reward_fn else None, reward_fn, eos, pad)
     except ValueError as exc:  # the message names the field (e.g. ppo.kl_estimator)
         raise ConfigError("config", cfg.algorithm, "values the algorithm accepts", problem=str(exc)) from None
     return TrainInputs(
@@ -126,7 +129,7 @@ def _load_tokenizer(cfg: ExperimentConfig) -> Any:
 
 def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
     d = cfg.data
-    if d.path != "toy" and not _is_file(d.path):
+    if d.path != "toy" and not Path(d.path).is_file():
         raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file", problem="no such file")
     try:
         examples = build_prompt_dataset(
@@ -141,12 +144,6 @@ def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> 
         raise ConfigError("batch.prompts", cfg.batch.prompts,
                           f"at most the {len(examples)} usable prompts of data.path={d.path!r}")
     return examples
-
-
-def _is_file(path: str) -> bool:
-    from pathlib import Path
-
-    return Path(path).is_file()
 
 
 # ---- Ray ------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Cost model: time and memory of one model function call under one placement.
 
 `call_cost(problem, mfc, placement)` is an analytic roofline estimate: matmul FLOPs against the
-GPU's bf16 peak, decode steps as weight + KV-cache streaming against HBM bandwidth (whichever is
-slower), plus the communication each parallel dimension implies:
+GPU's bf16 peak or streaming the stage's weights from HBM once per micro-batch and pass,
+whichever is slower; decode steps as weight + KV-cache streaming against HBM bandwidth (or
+FLOPs); sampling every step; plus the communication each parallel dimension implies:
 
 * tp: 2 all-reduces of (tokens, hidden) bf16 per layer forward, 2 more backward, ring cost
   2(tp-1)/tp * bytes / NVLink bandwidth (tp groups never leave a node);
 * pp: 1F1B bubble (pp-1)/n_micro of the stage time, plus p2p activation sends between stages;
+  decoding circulates min(seqs, pp) micro-batches, a step takes max(n_micro, pp) stage slots,
+  each re-reading the stage's weights, plus one p2p hop per slot;
 * dp (train): ZeRO-1 gradient reduce-scatter + parameter all-gather per optimizer step, over
   NVLink or the NIC depending on whether the dp group spans nodes.
 
@@ -44,6 +47,9 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 # HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
 # (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
 OPTIMIZER_TRAFFIC_PER_PARAM = 28
+# HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
+# sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
+SAMPLING_PASSES = 8
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,10 @@ def _pass_time(
     one replica split into `n_micro` micro-batches, on the slowest pipeline stage."""
     hidden = geo.spec.hidden_size
     mb_tokens = tokens / n_micro
-    compute = passes * tokens * geo.stage_flops_per_token(ctx) / links.flops
+    # Roofline per micro-batch and pass: the matmuls cannot beat streaming the stage's bf16
+    # weights from HBM once, so short micro-batches are memory-bound, not free.
+    matmul_s = mb_tokens * geo.stage_flops_per_token(ctx) / links.flops
+    compute = passes * n_micro * max(matmul_s, 2.0 * geo.stage_params / links.hbm)
     overhead = passes * n_micro * geo.stage_layers * links.hw.kernel_overhead_s
     # 2 all-reduces of a (mb_tokens, hidden) bf16 activation per layer per direction.
     directions = 1 if passes == 1 else 2
@@ -258,6 +267,18 @@ def _forward_backward(
     return parts
 
 
+def _sampling_s(vocab: int, rows: float, tp: int, links: _Links) -> float:
+    """One sampling step of `rows` sequences, as `actors.sampling.sample_tensor_parallel` does it:
+    under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
+    and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
+    samples over [rows, vocab] fp32 logits: softmax, sort for top-p and cumsum, modelled as
+    SAMPLING_PASSES read+write sweeps of HBM (small, but never zero)."""
+    comm = 0.0
+    if tp > 1:
+        comm = links.lat + (tp - 1) * rows * vocab / tp * 2 / links.tp_bw + 3 * links.lat
+    return comm + SAMPLING_PASSES * 2 * rows * vocab * 4 / links.hbm + links.hw.kernel_overhead_s
+
+
 def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, rounds: int) -> dict[str, float]:
     """`rounds` rounds, each a prefill of its prompts then gen_len decode steps, memory- or
     compute-bound per step; only one round's KV cache is alive at a time."""
@@ -281,6 +302,8 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: 
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
     steps = batch.gen_len
     parts["decode_s"] = steps * slots * per_mb_stage
+    # The last stage samples every micro-batch every step; it is then the busiest stage.
+    parts["sampling_s"] = steps * slots * _sampling_s(spec.vocab_size, mb, layout.tp, links)
     parts["kernel_overhead_s"] = parts.get("kernel_overhead_s", 0.0) + steps * slots * geo.stage_layers * links.hw.kernel_overhead_s
     parts["tp_comm_s"] = parts.get("tp_comm_s", 0.0) + steps * slots * tp_s
     if layout.pp > 1:

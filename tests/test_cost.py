@@ -180,3 +180,51 @@ def test_training_levels_add_micro_batches() -> None:
     assert all(b < a for a, b in zip(acts, acts[1:]))
     # With a pipeline, more micro-batches also shrink the bubble.
     assert levels[1].breakdown["pp_bubble_s"] < levels[0].breakdown["pp_bubble_s"]
+
+
+def test_pipelined_decode_rereads_weights_per_micro_batch() -> None:
+    # Each decode step of each micro-batch traverses every stage, and with few sequences per
+    # micro-batch every stage streams its weights again for each of the pp micro-batches: at a
+    # fixed tp, adding pipeline stages does not make memory-bound decoding faster (it only adds
+    # p2p hops), whereas tp splits the weights each step streams.
+    problem = _problem(batch=BatchShape(64, 16, 64))  # short context: weights dominate the reads
+    flat = _cost(problem, "actor_gen", 0, 2, "tp2").breakdown
+    piped = _cost(problem, "actor_gen", 0, 8, "tp2pp4").breakdown
+    wide = _cost(problem, "actor_gen", 0, 8, "tp8").breakdown
+    assert piped["decode_s"] == pytest.approx(flat["decode_s"], rel=0.05)
+    assert wide["decode_s"] < 0.3 * flat["decode_s"]
+    # pp hops per step: every micro-batch crosses pp stage boundaries (the last back to the first).
+    hw = problem.cluster.hardware
+    assert piped["pp_p2p_s"] >= 64 * 4 * hw.collective_latency_s
+
+
+def test_decode_pays_two_tp_allreduces_per_layer_per_token() -> None:
+    # Latency-bound at small batch: 2 all-reduces per block per decode step, whatever the bytes.
+    problem = _problem(batch=BatchShape(8, 16, 100))
+    gen = _cost(problem, "actor_gen", 0, 8, "tp8").breakdown
+    layers = model_preset("llama-7b").n_layers
+    hw = problem.cluster.hardware
+    assert gen["tp_comm_s"] >= 100 * layers * 2 * hw.collective_latency_s
+
+
+def test_sampling_is_paid_every_step_and_gathers_logits_under_tp() -> None:
+    # actors.sampling gathers the vocab-parallel logits on tp rank 0 and broadcasts the samples:
+    # a tp layout pays those collectives on top of the sampling sweeps every layout pays.
+    problem = _problem(batch=BatchShape(64, 16, 64))
+    one = _cost(problem, "actor_gen", 0, 1, "dp1").breakdown["sampling_s"]
+    two = _cost(problem, "actor_gen", 0, 2, "tp2").breakdown["sampling_s"]
+    hw = problem.cluster.hardware
+    assert one >= 64 * 2 * 64 * model_preset("llama-7b").vocab_size * 4 / hw.hbm_bw  # at least one read+write
+    assert two > one + 64 * 4 * hw.collective_latency_s
+
+
+def test_short_micro_batches_are_memory_bound_not_free() -> None:
+    # A forward over a 16-token micro-batch still streams every weight of the stage from HBM:
+    # splitting a batch into more micro-batches must cost weight reads, not only kernel launches.
+    problem = _problem(batch=BatchShape(64, 8, 8))
+    levels = call_cost_levels(problem, problem.graph.mfc("ref_inf"), Placement(Mesh(0, 1, 8), Layout(1, 1, 1)))
+    leanest = levels[-1].breakdown
+    assert leanest["micro_batches"] == 64
+    weights = weight_bytes_per_gpu(ModelRole(model_preset("llama-7b"), False), Layout(1, 1, 1))
+    assert leanest["compute_s"] >= 64 * weights / problem.cluster.hardware.hbm_bw
+    assert levels[0].breakdown["compute_s"] < 0.1 * leanest["compute_s"]

@@ -25,6 +25,7 @@ import pytest
 from ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 from actors.worker import CallSpec, ModelWorker
+from app.checkpoint import latest_checkpoint
 from app.cli_train import DEFAULT_CONFIG
 from app.config import load_config
 from app.driver import Driver, DriverError
@@ -56,9 +57,12 @@ class SlowCriticWorker(ModelWorker):
     so that overlapping the next iteration's generation with it is visible in the timeline."""
 
     def run_call(self, call: CallSpec, *inputs: dict | None) -> tuple[dict, dict | None]:
-        if call.name == "critic_train":
-            time.sleep(CRITIC_DELAY_S)
-        return super().run_call(call, *inputs)
+        if call.name != "critic_train":
+            return super().run_call(call, *inputs)
+        start = time.time()
+        time.sleep(CRITIC_DELAY_S)
+        meta, data = super().run_call(call, *inputs)
+        return {**meta, "start": start}, data  # the delay is part of the call's measured time
 
 
 def test_default_config_runs_three_iterations_with_overlap(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
@@ -131,7 +135,7 @@ class StallingWorker(ModelWorker):
 
 
 def test_dead_worker_ends_the_run_naming_call_and_worker(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    cfg = tiny_config(tmp_path, "run.iterations=3", "checkpoint.at_end=false")
+    cfg = tiny_config(tmp_path, "run.iterations=3", "checkpoint.every=1")
     driver = Driver(cfg, tmp_path, worker_cls=DyingWorker)
     with pytest.raises(DriverError) as caught:
         driver.run()
@@ -139,6 +143,8 @@ def test_dead_worker_ends_the_run_naming_call_and_worker(ray_session: None, tmp_
     assert "critic_inf" in message and "iteration 1" in message and "worker-n0-g3" in message
     metrics = read_metrics(tmp_path)
     assert [m["iteration"] for m in metrics] == [0]  # the finished iteration stays recorded
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_1"  # and its checkpoint
+    check_checkpoint(tmp_path / "checkpoints" / "iter_1")
     assert driver.workers is None  # closed: actors killed, placement groups removed
 
 
@@ -250,9 +256,22 @@ def test_train_command_in_process(ray_session: None, tmp_path: Path, capsys: pyt
     from app.__main__ import main
 
     run_dir = tmp_path / "run"
+    # A learned reward model (random here, the critic's shape) instead of the rule-based reward.
     assert main(["train", str(DEFAULT_CONFIG), "--iterations", "2", "--run-dir", str(run_dir),
-                 "tracking.console=false", "checkpoint.at_end=false"]) == 0
+                 "tracking.console=false", "checkpoint.at_end=false", "reward.function=null"]) == 0
     out = capsys.readouterr().out
     assert f"run directory: {run_dir}" in out and "2 iterations; reward mean" in out
     assert [m["iteration"] for m in read_metrics(run_dir)] == [0, 1]
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_config_larger_than_the_ray_cluster_fails_before_workers(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    import ray
+
+    from app.config import ConfigError
+
+    cfg = tiny_config(tmp_path, "cluster.gpus_per_node=8")  # the shared Ray has 4 GPUs
+    actors_before = len(ray.util.list_named_actors(all_namespaces=True))
+    with pytest.raises(ConfigError, match=r"cluster='1x8'.*larger than the Ray cluster.*1x4"):
+        Driver(cfg, tmp_path)
+    assert len(ray.util.list_named_actors(all_namespaces=True)) == actors_before

@@ -6,7 +6,7 @@ import pytest
 
 from planning.candidates import CandidateOptions, call_candidates, prune_classes
 from planning.cost import PlanningProblem, rlhf_problem
-from planning.dataflow import BatchShape, ppo_graph
+from planning.dataflow import BatchShape, dpo_graph, grpo_graph, ppo_graph, remax_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset
@@ -147,3 +147,15 @@ def test_closed_form_realloc_estimate_tracks_the_exact_plan() -> None:
     assert len(ratios) > 50
     assert 0.9 < ratios[len(ratios) // 2] < 1.1  # median within 10%
     assert 0.5 < ratios[len(ratios) // 10] and ratios[-len(ratios) // 10] < 1.6
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dpo", "remax"])
+def test_search_plans_every_algorithm(algorithm: str) -> None:
+    batch = BatchShape(64, 128, 128)
+    graph = {"grpo": lambda: grpo_graph(batch, 4), "dpo": lambda: dpo_graph(batch), "remax": lambda: remax_graph(batch)}[algorithm]()
+    problem = rlhf_problem(graph, ClusterSpec(1, 4, hardware_preset("h100-80g")), model_preset("llama3.2-1b"))
+    result = search_plan(problem, seconds=60, seed=0, max_steps=500)
+    assert [name for name, _ in result.plan.placements] == [m.name for m in graph.mfcs]
+    simulated = simulate(problem, result.plan)
+    assert simulated.feasible and simulated.iteration_s == pytest.approx(result.est_iteration_s)
+    assert result.est_iteration_s <= result.baseline_iteration_s
