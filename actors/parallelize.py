@@ -19,14 +19,13 @@ Gradient fix-ups the model itself cannot do are in `sync_model_parallel_grads`: 
 
 from __future__ import annotations
 
-import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from actors.distributed import ParallelGroups, group_rank, group_size
-from actors.model import Transformer
+from actors.model import Transformer, init_param_tensor
 from actors.tp_layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -83,17 +82,6 @@ def apply_tp(model: Transformer, spec: ModelSpec, tp_group: dist.ProcessGroup | 
         model.lm_head = TiedVocabParallelHead(model.model.embed_tokens)
 
 
-def full_param_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """float32 tensor of the FULL parameter `name`, exactly as Transformer.init_weights draws it:
-    norms 1, biases 0, matrices N(0, 0.02) from a CPU generator seeded by (seed, name)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-
-
 @torch.no_grad()
 def init_shard_weights(model: Transformer, spec: ModelSpec, tp_rank: int, tp: int, seed: int) -> None:
     """Fill a materialised shard with the tp slices of the serial model's deterministic init."""
@@ -101,7 +89,7 @@ def init_shard_weights(model: Transformer, spec: ModelSpec, tp_rank: int, tp: in
     for name, param in model.named_parameters():
         if name not in full_shapes:
             raise ValueError(f"parameter {name!r}: not in planning.models.param_specs of {spec.name}")
-        full = full_param_init(name, full_shapes[name], seed)
+        full = init_param_tensor(name, full_shapes[name], seed)
         dim = tp_split_dim(name, spec, tp)
         shard = full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
         if shard.shape != param.shape:
@@ -186,7 +174,7 @@ def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter
 
 
 __all__ = [
-    "EMBEDDING", "apply_tp", "build_model_shard", "full_param_init", "has_tied_copies", "init_shard_weights",
+    "EMBEDDING", "apply_tp", "build_model_shard", "has_tied_copies", "init_shard_weights",
     "keep_pp_stage", "named_trainable_parameters", "norm_excluded_names", "sync_model_parallel_grads",
     "tp_partial_grad_names",
 ]

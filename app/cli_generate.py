@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.data import read_text_column
 from planning.layout import Layout
 from planning.models import ModelSpec, validate_tp
 
@@ -53,26 +54,6 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a JSONL file; errors name the file and the line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f"{path}:{number}: needs a string field `prompt`")
-        prompts.append(record["prompt"])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
 def run(args: argparse.Namespace) -> int:
     """Validate, tokenize, generate (in this process or in one process per rank), write."""
     import torch
@@ -83,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir, out_path = Path(args.model), Path(args.out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json (expected an HF checkpoint directory)")
-    prompts = read_prompts(Path(args.data))
+    prompts = read_text_column(args.data, "prompt")
     layout = Layout.parse(args.layout)
     spec = ModelSpec.from_hf_config(model_dir)
     validate_tp(spec, layout.tp)  # fail here, not in every spawned process
@@ -207,4 +188,4 @@ def merge_results(scratch: Path, dp: int) -> list[tuple[list[int], list[float]]]
     return [merged[i] for i in range(len(merged))]
 
 
-__all__ = ["add_parser", "merge_results", "read_prompts", "run"]
+__all__ = ["add_parser", "merge_results", "run"]

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.data import read_text_column
 from planning.layout import Layout
 from planning.models import ModelSpec, validate_tp
 
@@ -33,26 +34,6 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def read_texts(path: Path) -> list[str]:
-    """The `text` of every non-blank line; errors name the file and the line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file")
-    texts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path} line {number}: needs a string field `text`")
-        texts.append(record["text"])
-    if not texts:
-        raise ValueError(f"{path}: no texts")
-    return texts
-
-
 def run(args: argparse.Namespace) -> int:
     """Validate everything before Ray starts, then score in batches and write the results."""
     from transformers import AutoTokenizer
@@ -60,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir, out_path = Path(args.model), Path(args.out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json (expected an HF checkpoint directory)")
-    texts = read_texts(Path(args.data))
+    texts = read_text_column(args.data, "text")
     layout = Layout.parse(args.layout)
     spec = ModelSpec.from_hf_config(model_dir)
     validate_tp(spec, layout.tp)
@@ -103,4 +84,4 @@ def score_tokens(model_dir: str, spec: ModelSpec, layout: Layout, tokens: list[l
     return out
 
 
-__all__ = ["add_parser", "read_texts", "run", "score_tokens"]
+__all__ = ["add_parser", "run", "score_tokens"]

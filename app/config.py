@@ -99,12 +99,14 @@ class BatchConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """nodes x gpus_per_node GPUs of one hardware preset; virtual_gpus runs them on CPU."""
+    """nodes x gpus_per_node GPUs of one hardware preset; virtual_gpus runs them on CPU.
+    dashboard: start the Ray dashboard (127.0.0.1) with a local instance."""
 
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=1)
     gpu: str = "h100-80g"
     virtual_gpus: bool = False
+    dashboard: bool = True
 
     @field_validator("gpu")
     @classmethod

@@ -188,6 +188,15 @@ def _text_field(path: Path, line_no: int, row: dict[str, Any], key: str, setting
     return value
 
 
+def read_text_column(path: str | Path, key: str, option: str = "--data") -> list[str]:
+    """The string field `key` of every record of a JSONL/JSON/Parquet file, for the command-line
+    tools; errors name the file and the line (`option` names the flag in a missing-file error)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{option} {path}: no such file")
+    return [_text_field(path, line_no, row, key, f"the file's `{key}` field") for line_no, row in read_rows(path)]
+
+
 def load_prompt_records(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer",
                         require_answer: bool = False) -> list[PromptRecord]:
     """Read prompts (and answers, when the field is present) from a file.

@@ -156,7 +156,7 @@ def connect_cluster(cfg: ExperimentConfig) -> RayClusterInfo:
     if c.virtual_gpus and c.nodes != 1:
         raise ConfigError("cluster.nodes", c.nodes, "1 with cluster.virtual_gpus=true (one local Ray node)")
     options = RayStartOptions(virtual_gpus=n_gpus if c.virtual_gpus else 0, hardware=c.gpu,
-                              include_dashboard=True)
+                              include_dashboard=c.dashboard)
     join_virtual_cluster(c.virtual_gpus)
     info = connect(options)
     have = info.spec
