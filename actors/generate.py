@@ -336,7 +336,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     prompt_tokens, batch, cache = prepare_cache(model, prompts, config, device)
     recorder = ResponseRecorder(len(prompts), config, device)
     rows = torch.arange(len(prompts), device=device)
-    logits = model(prompt_tokens, batch, cache)[batch.last_token_indices()]  # [B, V_local]
+    logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     for step in range(config.max_new_tokens):
         uniforms = None if config.sampling.greedy else step_uniforms(config.seed, step, len(prompts), device)

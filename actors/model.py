@@ -261,8 +261,14 @@ class Transformer(nn.Module):
             param.copy_(init_param_tensor(name, tuple(param.shape), seed))
 
     # ---- forward ---------------------------------------------------------------------------------
-    def forward(self, x: Tensor, batch: PackedBatch, kv_cache: KVCache | None = None) -> Tensor:
-        """x: ids [T] (long) or hidden [T, H]; returns hidden [T, H], logits [T, V_local] or values [T]."""
+    def forward(self, x: Tensor, batch: PackedBatch, kv_cache: KVCache | None = None,
+                head_indices: Tensor | None = None) -> Tensor:
+        """x: ids [T] (long) or hidden [T, H]; returns hidden [T, H], logits [T, V_local] or values [T].
+
+        head_indices (int64 [N]): on a module with the head, apply norm and head only to these
+        token positions and return [N, V_local] / [N]. A prefill needs just each prompt's last
+        token: the full [T, V] logits of a long packed prompt batch would cost gigabytes.
+        """
         if self.has_embedding:
             if x.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"x: dtype {x.dtype}; the first stage takes token ids (int64 [T])")
@@ -278,6 +284,8 @@ class Transformer(nn.Module):
             kv_cache.advance(batch)
         if not self.has_head:
             return hidden
+        if head_indices is not None:
+            hidden = hidden[head_indices]
         hidden = self.model.norm(hidden)
         if self.critic:
             return self.score(hidden).squeeze(-1).float()

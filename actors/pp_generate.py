@@ -130,7 +130,7 @@ def _sample_and_reply(out: Tensor, slot: MicroBatchSlot, rnd: int, uniforms: Ten
     """Last stage: sample round `rnd` of a micro-batch, record it, and send the next decode
     inputs plus the "still running" flag back to the first stage."""
     config = recorder.config
-    logits = out[slot.batch.last_token_indices()] if rnd == 0 else out  # [b, V_local]
+    logits = out  # [b, V_local]: the prefill already kept each prompt's last token only
     mb_uniforms = None if uniforms is None else uniforms[slot.rows]
     sampled = sample_tensor_parallel(logits, config.sampling, mb_uniforms, groups.tp_group)
     next_tokens = recorder.record(slot.rows, rnd, sampled)
@@ -165,7 +165,8 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
                 continue
             # Prefill over the packed prompts, or one decode step over this micro-batch's cache.
             if rnd == 0:
-                out = model(x, slot.batch, slot.cache)
+                last = slot.batch.last_token_indices() if groups.is_last_stage else None
+                out = model(x, slot.batch, slot.cache, head_indices=last)
             else:
                 out = decoders[m](x, attend_length(slot.batch.max_seqlen, rnd - 1, config, slot.cache.max_len))
             if groups.is_last_stage:
