@@ -16,11 +16,11 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
-from app import cli_generate, cli_plan, cli_score, cli_train
+from app import cli_generate, cli_plan, cli_profile, cli_score, cli_train
 from app.config import ConfigError
 
 # Modules defining one command each (`add_parser`). Explicit, so the CLI is readable in one place.
-COMMAND_MODULES: tuple[ModuleType, ...] = (cli_plan, cli_generate, cli_train, cli_score)
+COMMAND_MODULES: tuple[ModuleType, ...] = (cli_plan, cli_generate, cli_train, cli_score, cli_profile)
 
 USAGE_ERROR = 2
 
