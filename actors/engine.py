@@ -53,12 +53,15 @@ class SequenceBatch:
 
     tokens: int64 [T]; lengths: per-sequence token counts (sum T); token_data: per-token [T, ...]
     tensors (loss masks, advantages, old logprobs); seq_data: per-sequence [B, ...] tensors.
+    group_size: consecutive sequences that dp and micro-batch splits never separate (2 for DPO's
+    chosen/rejected pairs; B must be a multiple of it).
     """
 
     tokens: Tensor
     lengths: tuple[int, ...]
     token_data: dict[str, Tensor] = field(default_factory=dict)
     seq_data: dict[str, Tensor] = field(default_factory=dict)
+    group_size: int = 1
 
     def __post_init__(self) -> None:
         total = sum(self.lengths)
@@ -66,6 +69,8 @@ class SequenceBatch:
             raise ValueError(f"tokens: shape {tuple(self.tokens.shape)}; must be [sum(lengths)] = [{total}]")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"lengths={self.lengths}: need at least one sequence, each of length >= 1")
+        if self.group_size < 1 or len(self.lengths) % self.group_size:
+            raise ValueError(f"group_size={self.group_size}: must be >= 1 and divide the {len(self.lengths)} sequences")
         for name, value in self.token_data.items():
             if value.shape[:1] != (total,):
                 raise ValueError(f"token_data[{name!r}]: shape {tuple(value.shape)}; must start with T={total}")
@@ -83,6 +88,7 @@ class SequenceBatch:
             lengths=tuple(self.lengths[seqs.start:seqs.stop]),
             token_data={k: v[start:end] for k, v in self.token_data.items()},
             seq_data={k: v[seqs.start:seqs.stop] for k, v in self.seq_data.items()},
+            group_size=self.group_size,
         )
 
     def micro_batch(self, device: torch.device | str) -> MicroBatch:
@@ -137,12 +143,14 @@ class ModelEngine:
     # ---- batch splitting -------------------------------------------------------------------------
     def dp_share(self, batch: SequenceBatch) -> SequenceBatch:
         """The sequences of `batch` this dp rank processes."""
-        return batch.select(split_by_tokens(list(batch.lengths), self.groups.layout.dp)[self.groups.dp_rank])
+        parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
+        return batch.select(parts[self.groups.dp_rank])
 
     def _micro_batches(self, share: SequenceBatch, n_micro: int) -> list[MicroBatch]:
         if n_micro < 1:
             raise ValueError(f"n_micro={n_micro}: must be >= 1")
-        parts = split_by_tokens(list(share.lengths), min(n_micro, len(share.lengths)))
+        n_groups = len(share.lengths) // share.group_size
+        parts = split_by_tokens(list(share.lengths), min(n_micro, n_groups), share.group_size)
         return [share.select(part).micro_batch(self.device) for part in parts]
 
     # ---- heads -------------------------------------------------------------------------------------
@@ -228,7 +236,7 @@ class ModelEngine:
 
     def _gather_dp(self, local: Tensor, batch: SequenceBatch) -> Tensor:
         """Concatenate every dp rank's [T_share] output in dp order -> [T]."""
-        parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp)
+        parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
         sizes = [sum(batch.lengths[p.start:p.stop]) for p in parts]
         padded = torch.zeros(max(sizes), dtype=local.dtype, device=local.device)
         padded[:local.numel()] = local

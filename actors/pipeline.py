@@ -29,12 +29,19 @@ from actors.model import Transformer
 from actors.packing import PackedBatch
 
 
-def split_by_tokens(lengths: list[int], n_parts: int) -> list[range]:
+def split_by_tokens(lengths: list[int], n_parts: int, group_size: int = 1) -> list[range]:
     """Contiguous ranges of sequence indices, one per part, balanced by token count.
 
     Cut k (1 <= k < n_parts) falls at the sequence boundary nearest to k/n_parts of the tokens,
     keeping every part non-empty. Deterministic: a pure function of (lengths, n_parts).
+    group_size > 1 keeps consecutive groups of that many sequences together (DPO's chosen /
+    rejected pairs): cuts fall only at group boundaries, so every part holds whole groups and
+    n_parts may be at most len(lengths) // group_size.
     """
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size}: must be >= 1")
+    if group_size > 1:
+        return _split_groups(lengths, n_parts, group_size)
     n = len(lengths)
     if not 1 <= n_parts <= n:
         raise ValueError(f"n_parts={n_parts}: must be between 1 and the number of sequences ({n})")
@@ -50,6 +57,18 @@ def split_by_tokens(lengths: list[int], n_parts: int) -> list[range]:
         cuts.append(best)
     cuts.append(n)
     return [range(cuts[i], cuts[i + 1]) for i in range(n_parts)]
+
+
+def _split_groups(lengths: list[int], n_parts: int, group_size: int) -> list[range]:
+    """split_by_tokens over whole groups: balance the groups' token sums, then widen the ranges."""
+    if len(lengths) % group_size:
+        raise ValueError(f"group_size={group_size}: must divide the number of sequences ({len(lengths)})")
+    group_lengths = [sum(lengths[g:g + group_size]) for g in range(0, len(lengths), group_size)]
+    if not 1 <= n_parts <= len(group_lengths):
+        raise ValueError(f"n_parts={n_parts}: must be between 1 and the number of groups of {group_size} "
+                         f"sequences ({len(group_lengths)})")
+    return [range(part.start * group_size, part.stop * group_size)
+            for part in split_by_tokens(group_lengths, n_parts)]
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from actors.worker_models import (
     shards_of,
     unbind_shards,
 )
-from actors.worker_train import run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
+from actors.worker_train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
 from planning.realloc_plan import plan_reallocation
@@ -81,6 +81,7 @@ CALL_OPS = {
     "ppo_critic": run_ppo_critic,
     "grpo_actor": run_grpo_actor,
     "remax_actor": run_remax_actor,
+    "dpo_actor": run_dpo_actor,
 }
 MODEL_FREE_OPS = ("rule_reward",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,13 +7,14 @@ call's data owners, a data shard (see actors/worker_data.py for the shard format
 Ops, chosen by `params["op"]` (or by role and kind, see `default_op`), and the keys they read and
 write (per-row lists; `<p>` is params["in_prefix"] / ["out_prefix"], default ""):
 
-  generate     prompt_ids (+ prompt, answer) -> <p>prompt_ids, <p>response_ids, <p>logprobs,
+  generate     prompt_ids (+ prompt, answer) -> <p>prompt_ids, <p>response_ids, <p>logprobs
+               (of the full temperature-scaled distribution, recomputed when top-k/top-p truncated),
                <p>no_eos, prompt_index (+ prompt, answer, <p>response when a tokenizer is given)
   rule_reward  <p>prompt/<p>response text (or ids + tokenizer), answer -> params["out_key"] ("rewards")
   model_reward prompt_ids, <p>response_ids -> out_key: the reward model's value at the last token
   logprobs     prompt_ids, response_ids -> out_key ("ref_logprobs"): per response token
   values       prompt_ids, response_ids -> "values": V(state before each response token)
-  ppo_actor / ppo_critic / grpo_actor / remax_actor: training, see actors/worker_train.py
+  ppo_actor / ppo_critic / grpo_actor / remax_actor / dpo_actor: training, see actors/worker_train.py
 
 Inference and training ranks are given every row (the engine splits them over dp by tokens,
 and advantages are whitened over the whole batch); their owners return their dp rank's rows.
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from actors.distributed import ParallelGroups
 from actors.engine import ModelEngine, SequenceBatch
@@ -162,13 +165,18 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     out = generate(engine.model, prompts, config, engine.groups)
     lengths = out.response_lengths.tolist()
     meta = {"response_lengths": lengths, "gen_tokens": int(sum(lengths))}
+    responses = [t.cpu() for t in out.responses()]
+    if config.sampling.truncates:  # collective over the mesh: every rank, before the owner check
+        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, config.sampling.temperature)
+    else:
+        logprobs = [t.float().cpu() for t in out.response_logprobs()]
     if not ctx.owner:
         return owner_result(ctx, {}, meta)
     prefix = str(p.get("out_prefix", ""))
     columns: dict[str, list[Any]] = {
         f"{prefix}prompt_ids": [t.cpu() for t in prompts],
-        f"{prefix}response_ids": [t.cpu() for t in out.responses()],
-        f"{prefix}logprobs": [t.float().cpu() for t in out.response_logprobs()],
+        f"{prefix}response_ids": responses,
+        f"{prefix}logprobs": logprobs,
         f"{prefix}no_eos": [bool(x) for x in out.no_eos.tolist()],
         "prompt_index": [r // n_samples for r in rows],
     }
@@ -182,6 +190,32 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
         meta["samples"] = [{"prompt": columns["prompt"][i] if "prompt" in columns else None,
                             "response": columns[f"{prefix}response"][i]} for i in range(min(2, len(index)))]
     return _shard_of_my_rows(ctx, columns, meta)
+
+
+def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], responses: list[Tensor],
+                               temperature: float) -> list[Tensor]:
+    """Logprobs [r_i] of this dp rank's responses under the full temperature-scaled distribution.
+
+    Top-k/top-p sampling draws from a truncated, renormalised distribution, but the ref call and
+    the train layout compute logprobs of the full one (as veRL does). The rollout's `logprobs`
+    feed the KL penalty against the ref and, without recomputation, the PPO ratio, so they must
+    be of the same distribution: otherwise the KL to an identical ref is -log(kept mass) > 0.
+    Collective over the mesh: the rows (token ids) are gathered over dp, then the engine splits
+    the forward over dp as for any inference call and every rank keeps its own rows.
+    """
+    engine, groups = ctx.need_engine(), ctx.groups
+    mine = list(zip(prompts, responses))
+    rows = mine
+    if groups.dp_group is not None:
+        gathered: list[Any] = [None] * groups.layout.dp
+        dist.all_gather_object(gathered, mine, group=groups.dp_group)  # dp rank order = row order
+        rows = [row for part in gathered for row in part]
+    tokens, lengths, _ = pack_rows([q for q, _ in rows], [r for _, r in rows])
+    per_token = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), n_micro(ctx), temperature,
+                                        gather_dp=True)
+    per_row = gather_responses(per_token, [q.numel() for q, _ in rows], [r.numel() for _, r in rows])
+    start = ctx.my_rows.start
+    return per_row[start:start + len(mine)]
 
 
 def _shard_of_my_rows(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict]:
@@ -286,6 +320,7 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 
 __all__ = [
-    "CallContext", "CallSpec", "KINDS", "default_op", "generation_config", "generation_seed", "n_micro",
+    "CallContext", "CallSpec", "KINDS", "default_op", "full_distribution_logprobs", "generation_config",
+    "generation_seed", "n_micro",
     "owner_result", "run_generate", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "timed",
 ]

@@ -1,4 +1,4 @@
-"""Training ops of the model worker: PPO actor and critic, GRPO and ReMax actors.
+"""Training ops of the model worker: PPO actor and critic, GRPO, ReMax and DPO actors.
 
 Every rank of the train call's mesh is given every row. It builds the packed batch and the
 advantages of the WHOLE batch identically (a pure function of the rows, so whitening uses
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from actors.advantages import (
 )
 from actors.engine import LossFn, SequenceBatch
 from actors.losses import LossSums, combine_losses, entropy_term, kl_loss, kl_penalty, ppo_policy_loss, value_loss
+from actors.losses import dpo_loss, sequence_logprob_sums
 from actors.worker_calls import CallContext, n_micro
 from actors.worker_data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
 
@@ -257,7 +258,68 @@ def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     return train_actor(ctx, r, advantages, extra)
 
 
+# ---- DPO ----------------------------------------------------------------------------------------
+# Rows 2i (prompt + chosen) and 2i + 1 (prompt + rejected) form pair i. Batches carry
+# group_size=2, so the engine's dp and micro-batch splits keep each pair together (the loss of a
+# pair needs both sequences' logprob sums in one micro-batch).
+
+
+def dpo_loss_fn(beta: float, label_smoothing: float) -> LossFn:
+    """DPO loss on one micro-batch of whole pairs; count = pairs (the engine divides by all of them)."""
+
+    def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
+        # logprobs [T_mb] -> summed response logprobs per sequence [B_mb]; even = chosen, odd = rejected.
+        sums = sequence_logprob_sums(logprobs, data["mask"], data["cu_seqlens"])
+        ref = data["ref_logps"]  # [B_mb] the reference's summed response logprobs
+        return dpo_loss(sums[0::2], sums[1::2], ref[0::2], ref[1::2], beta, label_smoothing)
+
+    return loss
+
+
+def load_pairs(ctx: CallContext, inputs: Sequence[dict | None]) -> SequenceBatch:
+    """Every pair of the call packed, with the response mask [T] and the reference sums [B]."""
+    n_rows = ctx.call.n_rows
+    if n_rows % 2:
+        raise ValueError(f"call {ctx.call.name}: n_rows={n_rows}; DPO rows come in chosen/rejected pairs (even)")
+    cols = merge_shards(inputs, range(n_rows), ["prompt_ids", "response_ids", "ref_logprobs"])
+    tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
+    ref_logps = torch.stack([t.float().sum() for t in cols["ref_logprobs"]])
+    return SequenceBatch(tokens, tuple(lengths), {"mask": mask}, {"ref_logps": ref_logps}, group_size=2)
+
+
+def pair_minibatches(ctx: CallContext, n_pairs: int, epoch: int) -> list[list[int]]:
+    """Row indices of each minibatch of one epoch: the pairs are shuffled and cut like PPO rows
+    (`minibatch_rows`, at least dp pairs each), then each pair p expands to rows 2p, 2p + 1."""
+    return [[row for pair in pairs for row in (2 * pair, 2 * pair + 1)]
+            for pairs in minibatch_rows(ctx, n_pairs, epoch)]
+
+
+def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    """DPO (params beta, label_smoothing, ppo_epochs, ppo_minibatches): one optimizer step per
+    minibatch of pairs; metrics averaged over steps as actor/<name> (dpo_loss, reward_margin,
+    rewards_chosen, rewards_rejected, reward_accuracy, grad_norm, lr)."""
+    engine = ctx.need_engine()
+    batch = load_pairs(ctx, inputs)
+    loss_fn = dpo_loss_fn(float(ctx.params.get("beta", 0.1)), float(ctx.params.get("label_smoothing", 0.0)))
+    temperature = float(ctx.params.get("temperature", 1.0))
+    totals: dict[str, float] = {}
+    steps = 0
+    for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
+        for rows in pair_minibatches(ctx, len(batch.lengths) // 2, epoch):
+            minibatch = replace(select_rows(batch, rows), group_size=2)
+            for key, value in engine.train_step(minibatch, loss_fn, n_micro(ctx), temperature).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            steps += 1
+    metrics = {f"actor/{key}": value / steps for key, value in totals.items() if key != "count"}
+    metrics["actor/optimizer_steps"] = float(steps)
+    metrics["actor/pairs"] = float(len(batch.lengths) // 2)
+    # Answer tokens per sequence (the driver's throughput counts them like generated tokens).
+    metrics["rollout/response_length_mean"] = float(batch.token_data["mask"].sum()) / len(batch.lengths)
+    return metrics, None
+
+
 __all__ = [
     "Rollout", "load_rollout", "minibatch_rows", "policy_loss_fn", "ppo_returns", "rollout_metrics",
     "run_grpo_actor", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
+    "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",
 ]

@@ -12,6 +12,7 @@ Every bad input, whether caught by pydantic or by the semantic checks here, surf
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from pathlib import Path
@@ -21,12 +22,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
+from planning.cost_terms import OpEfficiency
 from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, remax_graph
 from planning.hardware import HARDWARE_PRESETS, GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset, validate_tp
 from planning.plan import ExecutionPlan, Placement
-from app.train_config import CheckpointConfig, DataConfig, PPOConfig, RewardConfig, SamplingConfig, TrackingConfig
+from app.train_config import (
+    CheckpointConfig, DataConfig, DPOConfig, PPOConfig, RewardConfig, SamplingConfig, TrackingConfig,
+)
 
 # Bytes per parameter that must live somewhere in the cluster: bf16 weights (2) for every model;
 # trained models add bf16 grads (2) and the optimizer state (fp32 master + AdamW m, v: 12).
@@ -170,6 +174,7 @@ class ExperimentConfig(_Section):
     reward: RewardConfig = RewardConfig()
     sampling: SamplingConfig = SamplingConfig()
     ppo: PPOConfig = PPOConfig()
+    dpo: DPOConfig = DPOConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
@@ -309,9 +314,24 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
     if cfg.plan.profile is not None:
         try:
             hardware = hardware.with_profile(cfg.plan.profile)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON that is not an object
             raise ConfigError("plan.profile", cfg.plan.profile, f"a readable profile JSON ({exc})") from None
     return ClusterSpec(cfg.cluster.nodes, cfg.cluster.gpus_per_node, hardware)
+
+
+def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
+    """The op efficiencies of the measured profile (`plan.profile`, its "efficiency" block, as
+    `python -m app profile` writes it); every factor 1.0 without a profile or without the block."""
+    if cfg.plan.profile is None:
+        return OpEfficiency()
+    try:
+        block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
+        if not isinstance(block, dict):
+            raise ValueError(f"'efficiency' is a {type(block).__name__}, not an object")
+        return OpEfficiency.from_dict(block)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError("plan.profile", cfg.plan.profile,
+                          f"a profile JSON whose 'efficiency' maps gemm/decode/comm/optimizer to (0, 1] ({exc})") from None
 
 
 def role_sources(cfg: ExperimentConfig) -> dict[str, tuple[str, ModelSource]]:
@@ -352,7 +372,7 @@ def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
             raise ConfigError("batch.gen_len", cfg.batch.gen_len,
                               f"prompt_len + gen_len <= {spec.max_position_embeddings} (max positions of {field})")
         models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
-    problem = PlanningProblem(graph=graph, cluster=cluster, models=models)
+    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg))
     check_cluster_memory(cfg, problem)
     return problem
 

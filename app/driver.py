@@ -32,6 +32,7 @@ from ray.exceptions import RayError
 from actors.advantages import make_kl_controller
 from actors.worker import CallSpec
 from app.algorithms import call_params
+from app.algorithms.dpo import preference_shard
 from app.checkpoint import checkpoint_dir, is_due, mark_complete
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
@@ -147,7 +148,8 @@ class Driver:
         assert self.workers is not None
         i = self._next_iteration
         batch = self._batches.next_batch()
-        prompts_ref = ray.put(prompt_shard(batch))
+        # DPO reads preference pairs (rows 2i chosen, 2i + 1 rejected); the others read prompts.
+        prompts_ref = ray.put(preference_shard(batch) if self.graph.algorithm == "dpo" else prompt_shard(batch))
         ops, self._location = iteration_ops(self.graph, self.plan, self.model_roles, self._location)
         outputs: dict[str, SubmittedOp] = {}
         submitted: list[SubmittedOp] = []
@@ -175,8 +177,10 @@ class Driver:
         spec = CallSpec(mfc.name, mfc.role, mfc.kind, placement, i, n_rows, params)
         all_rows = not (mfc.role == "reward" and self.inputs.reward_fn is not None)
         metas, datas = [], {}
+        # Generation reads the prompts; DPO's calls read the preference pairs (graph.dataset_keys).
+        reads_dataset = mfc.kind == "generate" or bool(set(mfc.input_keys) & set(self.graph.dataset_keys))
         for rank in op.ranks:
-            args: list[ray.ObjectRef] = [prompts_ref] if mfc.kind == "generate" else []
+            args: list[ray.ObjectRef] = [prompts_ref] if reads_dataset else []
             for parent in self.graph.data_parents(mfc.name):
                 # Rows of producer and consumer are the same sequences unless their counts differ.
                 parent_rows = self.graph.mfc(parent).batch.n_seqs
@@ -202,8 +206,9 @@ class Driver:
         return next(m.name for m in self.graph.mfcs if m.role == op.role and self.plan[m.name] == op.dst)
 
     def _n_sequences(self) -> int:
-        """Sequences generated per iteration (the first generation call's rows)."""
-        return next(m.batch.n_seqs for m in self.graph.mfcs if m.kind == "generate")
+        """Sequences per iteration: the first generation call's rows (the first call's without one,
+        e.g. DPO's 2 x pairs)."""
+        return next((m.batch.n_seqs for m in self.graph.mfcs if m.kind == "generate"), self.graph.mfcs[0].batch.n_seqs)
 
     def _last_train(self) -> Any:
         return [m for m in self.graph.mfcs if m.kind == "train"][-1]

@@ -2,7 +2,8 @@
 
 `preflight(cfg)` needs no Ray: it builds the planning problem (cluster too small for the models
 fails here), resolves the reward function, reads and tokenises the dataset (a row without the
-prompt field fails naming the file and line) and checks there are enough prompts for a batch.
+prompt field fails naming the file and line; for DPO, preference pairs with prompt, chosen and
+rejected fields) and checks there are enough prompts (pairs) for a batch.
 Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app/driver.py):
@@ -27,7 +28,11 @@ import ray
 
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config
 from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources
-from app.data import PromptExample, build_prompt_dataset, load_tokenizer
+from app.algorithms.dpo import toy_preference_records
+from app.data import (
+    PreferenceExample, PromptExample, build_prompt_dataset, load_preference_records, load_tokenizer,
+    tokenize_preferences,
+)
 from app.rewards import RewardLoadError, load_reward_fn
 from app.schedule import home_placements, realloc_member_sets
 from cluster.collective import list_process_groups
@@ -61,7 +66,7 @@ class TrainInputs:
     problem: PlanningProblem
     manual: ExecutionPlan | None
     models: dict[str, RoleModel]  # roles that hold weights (a rule-based reward holds none)
-    examples: list[PromptExample]
+    examples: list[PromptExample] | list[PreferenceExample]  # preference pairs for DPO
     tokenizer_spec: str  # what workers load to decode: 'module:Class' or an HF directory
     reward_fn: str | None  # 'module:function' of a rule-based reward, None for a reward model
     eos_token_id: int
@@ -76,9 +81,10 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
                           problem="not supported by train yet")
     problem = build_problem(cfg)  # cluster too small for the models: ConfigError("cluster", ...)
     manual = manual_plan(cfg, problem)
-    reward_fn = _check_reward(cfg)
+    dpo = cfg.algorithm == "dpo"
+    reward_fn = None if dpo else _check_reward(cfg)  # DPO has no reward call
     tokenizer = _load_tokenizer(cfg)
-    examples = _load_dataset(cfg, tokenizer, needs_answer=False)
+    examples = _load_preferences(cfg, tokenizer) if dpo else _load_dataset(cfg, tokenizer, needs_answer=False)
     tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     try:
@@ -143,6 +149,28 @@ def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> 
     if len(examples) < cfg.batch.prompts:
         raise ConfigError("batch.prompts", cfg.batch.prompts,
                           f"at most the {len(examples)} usable prompts of data.path={d.path!r}")
+    return examples
+
+
+def _load_preferences(cfg: ExperimentConfig, tokenizer: Any) -> list[PreferenceExample]:
+    """DPO pairs of data.path ("toy": the built-in toy pairs), each prompt + answer within
+    batch.prompt_len + batch.gen_len tokens. A bad row fails naming the file and the line."""
+    d, keys = cfg.data, (cfg.data.prompt_key, cfg.dpo.chosen_key, cfg.dpo.rejected_key)
+    if d.path != "toy" and not Path(d.path).is_file():
+        raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file of preference pairs",
+                          problem="no such file")
+    try:
+        records = (toy_preference_records(d.toy_size, d.seed) if d.path == "toy"
+                   else load_preference_records(d.path, *keys))
+        examples = tokenize_preferences(records, tokenizer, d.chat_template,
+                                        max_len=cfg.batch.prompt_len + cfg.batch.gen_len)
+    except ValueError as exc:  # the message names the file and the line
+        raise ConfigError("data.path", d.path, "rows with string fields {!r}, {!r} and {!r} (data.prompt_key, "
+                          "dpo.chosen_key, dpo.rejected_key)".format(*keys),
+                          problem=" ".join(str(exc).split())) from None
+    if len(examples) < cfg.batch.prompts:
+        raise ConfigError("batch.prompts", cfg.batch.prompts,
+                          f"at most the {len(examples)} usable preference pairs of data.path={d.path!r}")
     return examples
 
 
@@ -246,8 +274,13 @@ def load_models(workers: WorkerGroup, inputs: TrainInputs, plan: ExecutionPlan, 
     pending = {}
     for index, (role, model) in enumerate(inputs.models.items()):
         optim = optimizer_params(cfg, role) if model.trainable else {}
+        seed = cfg.run.seed + 1000 * index
+        if role == "ref" and "actor" in inputs.models and role_sources(cfg)["ref"] == role_sources(cfg)["actor"]:
+            # The reference policy is the initial actor (KL is measured against it): with no
+            # checkpoint, the same random init as the actor.
+            seed = cfg.run.seed + 1000 * list(inputs.models).index("actor")
         pending[role] = workers.call("load_model", role, model.spec, model.critic, homes[role], model.hf_dir,
-                                     cfg.run.seed + 1000 * index, model.trainable, optim)
+                                     seed, model.trainable, optim)
     started = time.perf_counter()
     out = {}
     for role, call in pending.items():
@@ -260,6 +293,8 @@ def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
     """AdamW settings of a trained role (learning rate by role)."""
     p = cfg.ppo
     lr = p.actor_lr if role == "actor" else p.critic_lr
+    if cfg.algorithm == "dpo" and role == "actor":
+        lr = cfg.dpo.lr
     return {"lr": lr, "weight_decay": p.weight_decay, "max_grad_norm": p.max_grad_norm,
             "warmup_steps": p.warmup_steps}
 

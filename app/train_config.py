@@ -1,4 +1,4 @@
-"""Config sections that only training reads: data, reward, sampling, PPO, tracking, checkpoints.
+"""Config sections that only training reads: data, reward, sampling, PPO, DPO, tracking, checkpoints.
 
 They sit beside the planning sections of `app/config.py` in `ExperimentConfig` (which imports
 them from here to keep that module small) and follow its rules: `extra="forbid"`, frozen, and a
@@ -84,6 +84,19 @@ class PPOConfig(TrainSection):
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
 
 
+class DPOConfig(TrainSection):
+    """DPO (algorithm: dpo). beta: strength of the implicit KL to the reference; label_smoothing:
+    conservative DPO's assumed label noise; lr: the actor's learning rate. Preference files
+    (data.path) hold data.prompt_key, chosen_key and rejected_key fields per line; data.path "toy"
+    generates the built-in toy pairs (app/algorithms/dpo.py)."""
+
+    beta: float = Field(0.1, gt=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    lr: float = Field(1e-6, gt=0.0)
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+
+
 class TrackingConfig(TrainSection):
     """Where metrics go: always metrics.jsonl; the console line and W&B (offline without an API key)."""
 
@@ -100,6 +113,6 @@ class CheckpointConfig(TrainSection):
 
 
 __all__ = [
-    "CheckpointConfig", "DataConfig", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PPOConfig",
+    "CheckpointConfig", "DPOConfig", "DataConfig", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PPOConfig",
     "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
 ]

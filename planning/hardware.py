@@ -38,8 +38,13 @@ class HardwareSpec:
     def with_profile(self, path: str | Path) -> HardwareSpec:
         """Copy of this spec with the fields a measured profile JSON provides."""
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
         known = {k: v for k, v in data.items() if k in self.__dataclass_fields__ and k != "name"}
-        return replace(self, **known)
+        for key, value in known.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"profile {path}: {key}={value!r} must be a positive number")
+        return replace(self, **{k: float(v) for k, v in known.items()})
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)

@@ -5,10 +5,10 @@ that tell a ModelWorker what to compute (op name, sampling, hyperparameters, los
                                     reward_fn="app.rewards:toy_reward", eos_token_id=2)
     params = call_params(settings, mfc, kl_coef=kl_controller.value)
 
-The graphs themselves are `planning.dataflow.{ppo,grpo,remax}_graph`; the worker-side
-computations are in actors/worker_calls.py and actors/worker_train.py. DPO is not wired to the
-runtime yet (its pairs must stay together inside one micro-batch, which the engine's token-balanced
-split does not guarantee).
+The graphs themselves are `planning.dataflow.{ppo,grpo,remax,dpo}_graph`; the worker-side
+computations are in actors/worker_calls.py and actors/worker_train.py. DPO reads preference pairs
+instead of generating (see app/algorithms/dpo.py); its pairs stay together in every dp and
+micro-batch split (SequenceBatch.group_size=2).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.algorithms import grpo, ppo, remax
+from app.algorithms import dpo, grpo, ppo, remax
+from app.algorithms.dpo import DPOHyperparams
 from app.algorithms.grpo import GRPOHyperparams
 from app.algorithms.ppo import PPOHyperparams, RolloutSettings
 from planning.dataflow import MFC
 
-RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax")
+RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo")
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,15 @@ class AlgorithmSettings:
     rollout: RolloutSettings
     ppo: PPOHyperparams
     grpo: GRPOHyperparams | None = None
+    dpo: DPOHyperparams | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in RUNTIME_ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r}: the runtime runs {', '.join(RUNTIME_ALGORITHMS)}")
         if self.algorithm == "grpo" and self.grpo is None:
             raise ValueError("algorithm='grpo': settings.grpo (GRPOHyperparams) is required")
+        if self.algorithm == "dpo" and self.dpo is None:
+            raise ValueError("algorithm='dpo': settings.dpo (DPOHyperparams) is required")
 
 
 def call_params(settings: AlgorithmSettings, mfc: MFC, kl_coef: float) -> dict[str, Any]:
@@ -47,6 +51,9 @@ def call_params(settings: AlgorithmSettings, mfc: MFC, kl_coef: float) -> dict[s
     if settings.algorithm == "grpo":
         assert settings.grpo is not None
         return grpo.call_params(mfc, settings.rollout, settings.ppo, settings.grpo)
+    if settings.algorithm == "dpo":
+        assert settings.dpo is not None
+        return dpo.call_params(mfc, settings.dpo)
     return remax.call_params(mfc, settings.rollout, settings.ppo, kl_coef)
 
 
@@ -64,8 +71,12 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
                         value_clip=p.value_clip_eps, whiten=p.adv_norm, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
                         ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed)
     group = GRPOHyperparams(group_size=b.group_size, kl_loss_coef=p.kl_coef) if cfg.algorithm == "grpo" else None
-    return AlgorithmSettings(cfg.algorithm, rollout, hp, group)
+    pairs = None
+    if cfg.algorithm == "dpo":
+        pairs = DPOHyperparams(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing, epochs=b.ppo_epochs,
+                               minibatches=b.ppo_minibatches, seed=cfg.run.seed)
+    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs)
 
 
-__all__ = ["AlgorithmSettings", "GRPOHyperparams", "PPOHyperparams", "RUNTIME_ALGORITHMS", "RolloutSettings",
-           "call_params", "settings_from_config"]
+__all__ = ["AlgorithmSettings", "DPOHyperparams", "GRPOHyperparams", "PPOHyperparams", "RUNTIME_ALGORITHMS",
+           "RolloutSettings", "call_params", "settings_from_config"]

@@ -4,7 +4,7 @@ module only fills `CallSpec.params` (the op name selects the computation and its
 
 Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it produces:
 
-  actor_gen    generate      prompt_ids, response_ids, logprobs (sampling distribution), no_eos,
+  actor_gen    generate      prompt_ids, response_ids, logprobs (full temperature-scaled distribution), no_eos,
                              prompt_index (+ prompt, answer, decoded response with a tokenizer)
   rew_inf      rule_reward   rewards: fn(prompt, response, answer) per sequence (`module:function`)
                model_reward  rewards: the reward model's scalar head at the last token
