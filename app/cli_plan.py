@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from app.config import ConfigError, ExperimentConfig, build_problem, load_config, manual_plan
+from app.config import ConfigError, ExperimentConfig, load_config
+from app.problem import build_problem, manual_plan
 from app.report import PlanReport, draw_gantt, format_plan_table, plan_json, plan_report, simulated_bars
 from planning.cost import PlanningProblem
 from planning.search import EXHAUSTIVE_LIMIT, SearchResult, search_plan

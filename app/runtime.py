@@ -27,7 +27,8 @@ from typing import Any
 import ray
 
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config
-from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources
+from app.config import ConfigError, ExperimentConfig
+from app.problem import build_problem, manual_plan, model_spec, role_sources
 from app.algorithms.dpo import toy_preference_records
 from app.data import (
     PreferenceExample, PromptExample, build_prompt_dataset, load_preference_records, load_tokenizer,

@@ -164,7 +164,8 @@ def test_gantt_draws_measured_bars_beside_estimated(tmp_path: Path) -> None:
 
 
 def test_report_without_a_baseline_prints_na_and_json_null() -> None:
-    from app.config import build_problem, load_config
+    from app.config import load_config
+    from app.problem import build_problem
     from app.report import format_plan_table, plan_json, plan_report
     from planning.search import symmetric_baseline
     from planning.simulate import simulate

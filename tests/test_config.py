@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import (
-    ConfigError, ExperimentConfig, apply_override, build_problem, load_config, manual_plan, validate_config,
-)
+from app.config import ConfigError, ExperimentConfig, apply_override, load_config, validate_config
+from app.problem import build_problem, manual_plan
 from planning.layout import Layout, Mesh
 from planning.models import MODEL_PRESETS
 

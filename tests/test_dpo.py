@@ -26,7 +26,8 @@ from actors.worker_calls import CallContext, CallSpec
 from actors.worker_train import dpo_loss_fn, run_dpo_actor
 from app.algorithms import AlgorithmSettings, call_params, settings_from_config
 from app.algorithms.dpo import DPOHyperparams, preference_shard, toy_preference_records, toy_rejected
-from app.config import ConfigError, build_graph, load_config
+from app.config import ConfigError, load_config
+from app.problem import build_graph
 from app.data import tokenize_preferences
 from app.toy_task import CharTokenizer, toy_target
 from dist_harness import run_distributed

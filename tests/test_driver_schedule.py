@@ -11,7 +11,8 @@ import pytest
 
 from app.checkpoint import checkpoint_dir, is_due, latest_checkpoint, mark_complete
 from app.cli_train import DEFAULT_CONFIG, resolve_run_dir, summary
-from app.config import build_problem, load_config, manual_plan
+from app.config import load_config
+from app.problem import build_problem, manual_plan
 from app.schedule import (
     CallOp, ReallocOp, ReleaseOp, data_owners, dp_rows, home_placements, iteration_ops, realloc_member_sets,
     shards_needed,

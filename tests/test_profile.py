@@ -21,7 +21,8 @@ from actors.profiler import (
 )
 from app.__main__ import main
 from app.cli_profile import default_preset, format_table
-from app.config import build_problem, load_config, manual_plan
+from app.config import load_config
+from app.problem import build_problem, manual_plan
 from planning.cost import call_cost
 from planning.cost_terms import OpEfficiency
 from planning.hardware import HardwareSpec, hardware_preset
