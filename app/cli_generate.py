@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli_inputs import checkpoint_and_layout
 from app.data import read_text_column
 from planning.layout import Layout
-from planning.models import ModelSpec, validate_tp
+from planning.models import ModelSpec
 
 if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
     from actors.sampling import SamplingParams
@@ -61,15 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.sampling import SamplingParams
 
-    model_dir, out_path = Path(args.model), Path(args.out)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model_dir}: no config.json (expected an HF checkpoint directory)")
+    model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
+    out_path = Path(args.out)
     prompts = read_text_column(args.data, "prompt")
-    layout = Layout.parse(args.layout)
-    spec = ModelSpec.from_hf_config(model_dir)
-    validate_tp(spec, layout.tp)  # fail here, not in every spawned process
-    if layout.pp > spec.n_layers:
-        raise ValueError(f"--layout {args.layout}: pp={layout.pp} exceeds the model's {spec.n_layers} layers")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -147,7 +142,6 @@ def generate_rank(rank: int, layout: Layout, job: GenerationJob, scratch: str, p
     from actors.generate import GenerationConfig, generate
     from actors.hf_io import load_hf_checkpoint
     from actors.parallelize import build_model_shard
-    from planning.models import ModelSpec
 
     if port is not None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)

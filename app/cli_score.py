@@ -15,9 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.cli_inputs import checkpoint_and_layout
 from app.data import read_text_column
 from planning.layout import Layout
-from planning.models import ModelSpec, validate_tp
+from planning.models import ModelSpec
 
 
 def add_parser(subparsers: Any) -> None:
@@ -38,15 +39,9 @@ def run(args: argparse.Namespace) -> int:
     """Validate everything before Ray starts, then score in batches and write the results."""
     from transformers import AutoTokenizer
 
-    model_dir, out_path = Path(args.model), Path(args.out)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model_dir}: no config.json (expected an HF checkpoint directory)")
+    model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
+    out_path = Path(args.out)
     texts = read_text_column(args.data, "text")
-    layout = Layout.parse(args.layout)
-    spec = ModelSpec.from_hf_config(model_dir)
-    validate_tp(spec, layout.tp)
-    if layout.pp > spec.n_layers:
-        raise ValueError(f"--layout {args.layout}: pp={layout.pp} exceeds the model's {spec.n_layers} layers")
     if args.batch_size < layout.dp:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= dp={layout.dp}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
