@@ -4,12 +4,12 @@ Batch generation for users. Each input line is a JSON object with a `prompt` str
 line is `{"prompt", "response", "response_tokens", "logprobs"}` in input order.
 `--temperature 0` means greedy. The tokenizer is `AutoTokenizer` from HF_DIR.
 
-The layout (`--layout tp2,pp1`, dp allowed too) runs through local processes started here
-(torch.multiprocessing, gloo on CPU, nccl on GPU, one process per GPU) until the Ray runtime
-takes over; a 1-rank layout runs in this process. Every dp replica generates its share of the
-prompts; the (tp 0, pp 0) rank of each replica writes its results to a scratch file that this
-process merges, decodes and writes out. `--ray` runs the ranks as Ray workers instead
-(app/ray_jobs.py: virtual GPUs on CPU, or the cluster at RAY_ADDRESS).
+The layout (`--layout tp2,pp1`, dp allowed too) runs as Ray workers, one per rank
+(app/ray_jobs.py: a local Ray with virtual GPUs on CPU, or the cluster at RAY_ADDRESS). With
+`--local` it runs through processes started here instead (torch.multiprocessing, gloo on CPU,
+nccl on GPU, one process per GPU; a 1-rank layout in this process, on `--device`): every dp
+replica generates its share of the prompts and the (tp 0, pp 0) rank of each replica writes its
+results to a scratch file that this process merges, decodes and writes out.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", default="tp1,pp1", help="e.g. tp2,pp1 or dp2tp1pp2 (one process per rank)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generation call per dp replica")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--ray", action="store_true",
-                        help="run the layout's ranks as Ray workers (virtual GPUs on CPU, or RAY_ADDRESS's cluster)")
+    parser.add_argument("--local", action="store_true",
+                        help="run the layout's ranks as local processes instead of Ray workers")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="device of the local processes (with --local)")
     parser.set_defaults(run=run)
 
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.data}: lines {empty} tokenize to no tokens")
     job = GenerationJob(str(model_dir), token_ids, args.max_new_tokens, sampling, args.seed,
                         tokenizer.eos_token_id, tokenizer.pad_token_id or 0, args.batch_size, device)
-    if args.ray:  # one Ray worker per rank (app/ray_jobs.py); the same sampling parameters
+    if not args.local:  # one Ray worker per rank (app/ray_jobs.py); the same sampling parameters
         from app.ray_jobs import generate_on_ray
 
         params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,

@@ -1,4 +1,4 @@
-"""One-off jobs on Ray with a single placement: the workers behind `score` and `generate --ray`.
+"""One-off jobs on Ray with a single placement: the workers behind `score` and `generate`.
 
 `LayoutJob` starts one `ModelWorker` per rank of a layout (a local Ray with virtual GPUs when
 this machine has no CUDA and `RAY_ADDRESS` is unset; the Ray cluster otherwise), joins them in

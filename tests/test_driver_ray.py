@@ -228,8 +228,8 @@ def test_generate_on_ray_matches_the_local_path_greedy(ray_session: None, tmp_pa
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2", "w3", "w4 w5 w6"]))
     common = ["generate", "--model", str(model_dir), "--data", str(data), "--max-new-tokens", "5",
               "--temperature", "0", "--device", "cpu"]
-    assert main([*common, "--out", str(tmp_path / "local.jsonl")]) == 0
-    assert main([*common, "--out", str(tmp_path / "ray.jsonl"), "--ray", "--layout", "dp1tp2pp1",
+    assert main([*common, "--out", str(tmp_path / "local.jsonl"), "--local"]) == 0
+    assert main([*common, "--out", str(tmp_path / "ray.jsonl"), "--layout", "dp1tp2pp1",
                  "--batch-size", "2"]) == 0
     local = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
     remote = [json.loads(line) for line in (tmp_path / "ray.jsonl").read_text().splitlines()]

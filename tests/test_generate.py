@@ -288,7 +288,7 @@ def test_cli_generate_end_to_end(tmp_path: Any, capsys: pytest.CaptureFixture[st
     data.write_text('{"prompt": "w5 w17 w40"}\n\n{"prompt": "w8", "id": 3}\n')
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--model", str(path), "--data", str(data), "--out", str(out), "--max-new-tokens", "5",
-            "--temperature", "0", "--device", "cpu"]
+            "--temperature", "0", "--device", "cpu", "--local"]
     assert run_cli(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["w5 w17 w40", "w8"]
@@ -300,7 +300,7 @@ def test_cli_generate_end_to_end(tmp_path: Any, capsys: pytest.CaptureFixture[st
         words = [f"w{t}" for t in record["response_tokens"] if t > 2]
         assert record["response"] == " ".join(words)
     # Sampling with a seed is reproducible through the CLI as well.
-    sampled = argv[:-4] + ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "10", "--seed", "3", "--device", "cpu"]
+    sampled = argv[:-5] + ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "10", "--seed", "3", "--device", "cpu", "--local"]
     assert run_cli(sampled) == 0
     first = out.read_text()
     assert run_cli(sampled) == 0 and out.read_text() == first
@@ -314,7 +314,7 @@ def test_cli_generate_errors_exit_2_with_one_line(tmp_path: Any, capsys: pytest.
     bad.write_text('{"prompt": "w5"}\n{"text": "w6"}\n')
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "w5"}\n')
-    base = ["generate", "--model", str(path), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu"]
+    base = ["generate", "--model", str(path), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu", "--local"]
     cases = [
         (["--data", str(bad)], f"{bad} line 2: no field 'prompt'"),
         (["--data", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file"),

@@ -168,7 +168,7 @@ def test_cli_generate_with_tp2_pp2_dp2_layouts(tmp_path: Path) -> None:
     for layout in ("tp1", "tp2", "pp2", "dp2"):
         out = tmp_path / f"{layout}.jsonl"
         argv = ["generate", "--model", str(path), "--data", str(data), "--out", str(out), "--max-new-tokens", "6",
-                "--temperature", "0.9", "--top-k", "20", "--seed", "1", "--layout", layout, "--device", "cpu"]
+                "--temperature", "0.9", "--top-k", "20", "--seed", "1", "--layout", layout, "--device", "cpu", "--local"]
         assert main(argv) == 0
         outputs[layout] = [json.loads(line) for line in out.read_text().splitlines()]
     single = outputs["tp1"]
