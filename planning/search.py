@@ -237,6 +237,7 @@ class _Chain:
         self.max_steps = max_steps
         self.stall_steps = stall_steps
         self.cache: dict[tuple[int, ...], tuple[float, bool]] = {}
+        self.simulated = 0  # distinct plans simulated (revisits hit the cache and are not counted)
         # Candidates of each call grouped by class (mesh size, layout) and by mesh start.
         self.classes: list[list[list[int]]] = []
         self.class_of: list[list[int]] = []
@@ -263,6 +264,7 @@ class _Chain:
         if found is None:
             found = plan_energy(self.space, state)
             self.cache[key] = found
+            self.simulated += 1
             if found[1]:
                 self.elites.offer(key, found[0])
         return found
@@ -295,7 +297,7 @@ class _Chain:
         best_cost, best = min(feasible_starts, key=lambda x: x[0]) if feasible_starts else (math.inf, list(current))
         history = [(time.perf_counter() - self.start, best_cost)]
         t0 = 0.05 * current_cost if math.isfinite(current_cost) else 1.0
-        evaluated, stall, step = len(starts), 0, 0
+        stall, step = 0, 0
         progress = 0.0
         while True:
             if step % 64 == 0:
@@ -311,7 +313,6 @@ class _Chain:
             temperature = t0 * (1.0 - progress) ** 2 + 1e-9
             proposal = self.propose(current)
             value, feasible = self.energy(proposal)
-            evaluated += 1
             if value <= current_cost or rng.random() < math.exp(-(value - current_cost) / temperature):
                 current, current_cost = proposal, value
             if feasible and value < best_cost:
@@ -321,4 +322,4 @@ class _Chain:
                 stall += 1
                 if stall >= self.stall_steps and math.isfinite(best_cost):
                     current, current_cost, stall = list(best), best_cost, 0
-        return evaluated, history
+        return self.simulated, history

@@ -35,7 +35,9 @@ def test_seeded_search_is_deterministic() -> None:
     assert a.plan == b.plan
     assert a.est_iteration_s == b.est_iteration_s
     assert [v for _, v in a.history] == [v for _, v in b.history]
-    assert a.evaluated_plans == b.evaluated_plans == 1500 + 2
+    # Distinct plans simulated: at most the 1500 proposals + 2 starts (revisits are cache hits).
+    assert a.evaluated_plans == b.evaluated_plans
+    assert 100 < a.evaluated_plans <= 1500 + 2
 
 
 @pytest.mark.parametrize("model, options", [("llama-7b", SMALL), ("llama3.2-1b", CandidateOptions(1, max_classes=2))])
