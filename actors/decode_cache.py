@@ -16,6 +16,10 @@ counts this can beat the fused kernels, which are tuned for long queries).
 generation loop raises it in buckets as sequences grow, so early steps do not read empty slots
 (each bucket gets its own CUDA graph). The model calls `prefill` / `decode` exactly as on the base
 class; positions and lengths keep the base class's meaning.
+
+Kernels per step: a decode step is launch-bound, so the additive length mask is built once per
+step by the first layer (`decode_mask`) and shared by the others, and the row and slot indices
+are built once per cache; each layer then issues only its two K/V writes and the attention.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ class HeadMajorKVCache(KVCache):
             self.k[idx] = torch.zeros(size, dtype=dtype, device=device)
             self.v[idx] = torch.zeros(size, dtype=dtype, device=device)
         self.attend_len = max_len
+        # Constant index tensors, built once instead of once per layer per step: the cache row
+        # of each sequence int64 [n_seqs], and the slot numbers int64 [max_len].
+        self.rows = torch.arange(n_seqs, device=device)
+        self.slots = torch.arange(max_len, device=device)
+        # Additive attention masks [n_seqs, 1, 1, attend_len] (0 visible, -inf hidden) of the
+        # current decode step, keyed by (dtype, sliding_window): every layer of a step shares
+        # one; `advance` (end of each forward) and `reset` drop them.
+        self.step_masks: dict[tuple[torch.dtype, int | None], Tensor] = {}
 
     @staticmethod
     def for_model(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype | None = None,
@@ -60,6 +72,34 @@ class HeadMajorKVCache(KVCache):
         if not 1 <= attend_len <= self.max_len:
             raise ValueError(f"attend_len={attend_len}: must be in [1, max_len={self.max_len}]")
         self.attend_len = attend_len
+
+    def reset(self) -> None:
+        super().reset()
+        self.step_masks.clear()
+
+    def advance(self, batch: PackedBatch) -> None:
+        super().advance(batch)
+        self.step_masks.clear()  # the lengths moved: the next step builds its masks afresh
+
+    def decode_mask(self, dtype: torch.dtype, sliding_window: int | None) -> Tensor:
+        """Additive mask [n_seqs, 1, 1, attend_len] of this step: 0 where slot j <= lengths[b]
+        (the new token included) and inside the window, -inf elsewhere. Built by the first layer
+        that asks, reused by the others (same values SDPA derives from a bool mask)."""
+        key = (dtype, sliding_window)
+        mask = self.step_masks.get(key)
+        if mask is None or mask.shape[-1] != self.attend_len:
+            slots = self.slots[: self.attend_len]
+            visible = slots[None, :] <= self.lengths[:, None]  # [B, L]
+            if sliding_window is not None:
+                visible &= slots[None, :] > self.lengths[:, None] - sliding_window
+            # Rows padded to a multiple of 16 slots: CUDA's memory-efficient SDPA needs every
+            # stride of the mask aligned and would otherwise pad a copy in every layer.
+            padded = -(-self.attend_len // 16) * 16
+            hidden = torch.full((self.n_seqs, 1, 1, padded), float("-inf"), dtype=dtype, device=visible.device)
+            mask = hidden[..., : self.attend_len]  # [B, 1, 1, L], broadcast over heads and queries
+            mask.masked_fill_(visible[:, None, None, :], 0.0)
+            self.step_masks[key] = mask
+        return mask
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
                 sliding_window: int | None, kv_index: Tensor | None) -> Tensor:
@@ -79,16 +119,13 @@ class HeadMajorKVCache(KVCache):
         """Append one token per sequence (q [B, Hq, D], k/v [B, Hkv, D]) and attend over the
         first `attend_len` slots. Static shapes, no host sync (CUDA-graph safe)."""
         n_seqs, n_q, head_dim = q.shape
-        rows = torch.arange(n_seqs, device=q.device)
         cache_k, cache_v = self.k[layer], self.v[layer]
-        cache_k[rows, :, self.lengths] = k.to(cache_k.dtype)
-        cache_v[rows, :, self.lengths] = v.to(cache_v.dtype)
+        cache_k[self.rows, :, self.lengths] = k.to(cache_k.dtype)
+        cache_v[self.rows, :, self.lengths] = v.to(cache_v.dtype)
         keys, values = cache_k[:, :, : self.attend_len], cache_v[:, :, : self.attend_len]  # [B, Hkv, L, D]
-        slots = torch.arange(self.attend_len, device=q.device)
-        visible = slots[None, :] <= self.lengths[:, None]  # [B, L], the new token included
-        if sliding_window is not None:
-            visible &= slots[None, :] > self.lengths[:, None] - sliding_window
-        mask = visible[:, None, None, :]  # broadcast over heads and queries
+        # The matmul kernel adds the mask to float32 scores; SDPA takes it in the query dtype.
+        mask_dtype = torch.float32 if self.kernel == "matmul" and kv_index is None else q.dtype
+        mask = self.decode_mask(mask_dtype, sliding_window)  # [B, 1, 1, L]
         if kv_index is not None:
             # K/V replicated under tp with a non-repeat head map: pick one KV head per query head.
             keys = expand_kv_heads(keys.transpose(1, 2), kv_index)  # [B, L, Hq, D]
@@ -105,7 +142,7 @@ class HeadMajorKVCache(KVCache):
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=head_dim**-0.5)
         else:
             scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * head_dim**-0.5  # [B, Hkv, group, L]
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+            probs = torch.softmax(scores + mask, dim=-1).to(q.dtype)  # s + 0 = s; s + -inf = -inf
             out = torch.matmul(probs, values)  # [B, Hkv, group, D]
         return out.reshape(n_seqs, n_q, head_dim)
 

@@ -133,9 +133,11 @@ class ResponseRecorder:
         self.lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
         self.finished = torch.zeros(n_seqs, dtype=torch.bool, device=device)
 
-    def record(self, rows: Tensor, step: int, sampled: SampledTokens) -> Tensor:
-        """Store step `step` for sequences `rows` (int64 [b]); return the next decode input [b]
-        (the sampled token, or the pad token for sequences already finished)."""
+    def record(self, rows: Tensor | None, step: int, sampled: SampledTokens) -> Tensor:
+        """Store step `step` for sequences `rows` (int64 [b]; None: all B, in order); return the
+        next decode input [b] (the sampled token, or the pad token for sequences already finished)."""
+        if rows is None:
+            return self.record_all(step, sampled)
         alive = ~self.finished[rows]
         self.tokens[rows, step] = torch.where(alive, sampled.tokens, self.tokens[rows, step])
         self.logprobs[rows, step] = sampled.logprobs.float()
@@ -147,6 +149,22 @@ class ResponseRecorder:
             done |= sampled.tokens == stop
         self.finished[rows] = done | (self.lengths[rows] >= self.config.max_new_tokens)
         return torch.where(alive, sampled.tokens, torch.full_like(sampled.tokens, self.config.pad_token_id))
+
+    def record_all(self, step: int, sampled: SampledTokens) -> Tensor:
+        """`record` for every sequence, with in-place column writes instead of gathers and
+        scatters by row index (about half the kernels of a step's bookkeeping)."""
+        # A finished row's slot `step` still holds the pad token, so the stored token and the
+        # next decode input are the same [B] tensor.
+        next_input = torch.where(self.finished, self.config.pad_token_id, sampled.tokens)
+        self.lengths += ~self.finished  # before `finished` changes: only live rows grow
+        self.tokens[:, step] = next_input
+        self.logprobs[:, step] = sampled.logprobs
+        self.kept_counts[:, step] = sampled.kept_counts
+        stop = self.config.stop_token
+        if stop is not None:
+            self.finished |= sampled.tokens == stop
+        self.finished |= self.lengths >= self.config.max_new_tokens
+        return next_input
 
     def all_finished(self, rows: Tensor | None = None) -> bool:
         return bool(self.finished.all() if rows is None else self.finished[rows].all())
@@ -335,13 +353,12 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     device = next(model.parameters()).device
     prompt_tokens, batch, cache = prepare_cache(model, prompts, config, device)
     recorder = ResponseRecorder(len(prompts), config, device)
-    rows = torch.arange(len(prompts), device=device)
     logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     for step in range(config.max_new_tokens):
         uniforms = None if config.sampling.greedy else step_uniforms(config.seed, step, len(prompts), device)
         sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
-        next_tokens = recorder.record(rows, step, sampled)
+        next_tokens = recorder.record(None, step, sampled)
         # The finished check syncs with the device; without a stop token nothing can finish early.
         if step + 1 == config.max_new_tokens or (config.stop_token is not None and recorder.all_finished()):
             break

@@ -119,7 +119,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None and kv_cache.prefilled:
+            # Decode: rotate q and k as one [B, Hq + Hkv, D] tensor, one set of elementwise
+            # kernels instead of two (a decode step is launch-bound); q and k are views of it.
+            qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_index = self.kv_index(x.device)
         if kv_cache is None:
             out = packed_attention(q, k, v, batch, self.backend, self.sliding_window, kv_index)
@@ -205,6 +211,16 @@ class Transformer(nn.Module):
         elif not spec.tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device=device)
         self.embeds_tokens = True
+        # rope_inv_freq per device, computed on first use: it is ~20 small kernels that
+        # every forward (every decode step) would otherwise repeat. float32 [head_dim/2].
+        self.inv_freq_by_device: dict[torch.device, Tensor] = {}
+
+    def rope_inv_freq(self, device: torch.device) -> Tensor:
+        """`rope_inv_freq(self.spec, device)`, cached per device (values depend on the spec only)."""
+        inv_freq = self.inv_freq_by_device.get(device)
+        if inv_freq is None:
+            inv_freq = self.inv_freq_by_device[device] = rope_inv_freq(self.spec, device)
+        return inv_freq
 
     # ---- structure -----------------------------------------------------------------------------
     @property
@@ -277,7 +293,8 @@ class Transformer(nn.Module):
             hidden = x
         # Decode steps take positions from the cache (one token per sequence, at its length).
         positions = kv_cache.lengths if kv_cache is not None and kv_cache.prefilled else batch.positions
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.spec, hidden.device), hidden.dtype)
+        # One cos/sin [T, head_dim] per forward, shared by every layer.
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq(hidden.device), hidden.dtype)
         for layer in self.model.layers.values():
             hidden = layer(hidden, cos, sin, batch, kv_cache)
         if kv_cache is not None:
