@@ -22,6 +22,11 @@ that view is contiguous (no copy), or several slices packed into one flat buffer
 than the message limit are split along their dim 0 rows. Peak extra memory on a GPU: its fresh
 destination shard plus the staging buffers of two rounds (at most one bucket).
 
+Host time is what bounds a reallocation of ~150 tensors on GPU, so everything that follows from
+the plan alone (schedule, this rank's messages, the narrows of every view, buffer offsets, byte
+counts) is compiled once per (plan object, rank, element size, bucket settings, source shapes)
+into a `RankProgram` and cached; a repeated reallocation only cuts views, copies and sends.
+
 `ReallocGroups` creates the broadcast groups once per member set, in the same order on every rank
 of the world, and reuses them across plans. Point-to-point messages use the world group, whose
 communicator must already exist on every rank (run one world collective, e.g. a barrier, first).
@@ -30,6 +35,7 @@ communicator must already exist on every rank (run one world collective, e.g. a 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,9 +44,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from actors.realloc_schedule import (
-    DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, Message, Segment, build_schedule, destination_slices,
+    DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, RankMessage, RankProgram, ViewSpec, build_schedule, compile_rank_program,
 )
-from planning.realloc_plan import ReallocPlan, ShardSlice, Transfer
+from planning.realloc_plan import ReallocPlan, Transfer
 
 
 @dataclass(frozen=True)
@@ -135,82 +141,102 @@ def execute_reallocation(
     src_shards: this rank's shards under the source placement (empty when it is not in the source
     mesh). Returns this rank's shards under the destination placement, freshly allocated in
     `dtype` on `device` (empty when it is not in the destination mesh), and what it moved.
-    Inputs are checked before any byte moves; the source shards are left untouched.
+    Inputs are checked before any byte moves; the source shards are left untouched. The planning
+    work is cached per (plan, rank, dtype size, bucket settings, source shapes): repeating a
+    reallocation only creates views, copies and sends.
     """
     device = torch.device(device)
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    schedule = build_schedule(plan, element_bytes, bucket_bytes, direct_min_bytes)
-    dst_slices = destination_slices(plan, rank)
-    src_offsets = _source_offsets(plan, rank, src_shards)
-    for m in schedule.broadcasts:
-        if rank == m.src or rank in m.receivers:
-            groups.get((m.src,) + m.receivers)  # fail before moving anything if a group is missing
+    element_bytes = dtype.itemsize
+    src_shapes = tuple((name, tuple(t.shape)) for name, t in src_shards.items())
+    program = _PROGRAMS.get(plan, rank, element_bytes, bucket_bytes, direct_min_bytes, src_shapes)
+    for m in program.broadcasts:
+        groups.get(m.group)  # fail before moving anything if a group is missing
     _synchronize(device)
     start = time.perf_counter()
-    out = {name: torch.empty(slc.shard_shape(shape), dtype=dtype, device=device) for name, (shape, slc) in dst_slices.items()}
-    ctx = _Context(rank, src_shards, src_offsets, out, dst_slices, device, dtype)
-    sent: dict[int, int] = {}
-    received: dict[int, int] = {}
-    local = [t for t in schedule.local if t.src_gpu == rank]
-    local_bytes = sum(t.numel for t in local) * element_bytes
-    n_messages = _run_p2p(schedule.p2p_rounds, ctx, local, sent, received, element_bytes)
-    for m in schedule.broadcasts:
-        n_messages += _run_broadcast(m, ctx, groups, sent, received, element_bytes)
+    out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in program.out_shapes}
+    ctx = _Context(src_shards, out, device, dtype)
+    n_messages = _run_p2p(program, ctx)
+    for m in program.broadcasts:
+        _run_broadcast(m, ctx, groups)
     host_seconds = time.perf_counter() - start
     _synchronize(device)
-    stats = ReallocStats(sent, received, local_bytes, time.perf_counter() - start, n_messages, host_seconds)
+    stats = ReallocStats({r: n * element_bytes for r, n in program.bytes_sent},
+                         {r: n * element_bytes for r, n in program.bytes_received},
+                         program.local_numel * element_bytes, time.perf_counter() - start,
+                         n_messages + len(program.broadcasts), host_seconds)
     return out, stats
+
+
+class _ProgramCache:
+    """Compiled rank programs of recently executed plans, most recent last.
+
+    Keyed by the plan's identity (plus rank, element size, bucket settings and source shapes)
+    rather than its value: hashing a plan of ~300 transfers costs more host time than the rest
+    of a small reallocation. Entries keep their plan alive, so an id is never reused while its
+    entry exists. An equal plan in a new object compiles once more, which is only slower.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self._max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[ReallocPlan, RankProgram]] = OrderedDict()
+
+    def get(self, plan: ReallocPlan, rank: int, element_bytes: int, bucket_bytes: int, direct_min_bytes: int,
+            src_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> RankProgram:
+        key = (id(plan), rank, element_bytes, bucket_bytes, direct_min_bytes, src_shapes)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is plan:
+            self._entries.move_to_end(key)
+            return entry[1]
+        shapes = dict(src_shapes)
+        schedule = build_schedule(plan, element_bytes, bucket_bytes, direct_min_bytes)
+        program = compile_rank_program(schedule, plan, rank, _source_offsets(plan, rank, shapes), shapes)
+        self._entries[key] = (plan, program)
+        if len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+        return program
+
+
+_PROGRAMS = _ProgramCache(max_entries=32)  # plain data, no process groups; per process
 
 
 @dataclass(frozen=True)
 class _Context:
-    """This rank's side of one execution: where slices are read from and written to."""
+    """This rank's tensors in one execution: where views are cut from and written to."""
 
-    rank: int
     src_shards: dict[str, torch.Tensor]
-    src_offsets: dict[Transfer, int]  # start of the source shard along the piece's dim
     out: dict[str, torch.Tensor]
-    dst_slices: dict[str, tuple[tuple[int, ...], ShardSlice]]
     device: torch.device
     dtype: torch.dtype
 
-    def src_view(self, seg: Segment) -> torch.Tensor:
-        return _piece_view(self.src_shards[seg.transfer.param], self.src_offsets[seg.transfer], seg)
-
-    def dst_view(self, seg: Segment) -> torch.Tensor:
-        slc = self.dst_slices[seg.transfer.param][1]
-        offset = slc.start if slc.dim is not None and slc.dim == seg.transfer.piece.dim else 0
-        return _piece_view(self.out[seg.transfer.param], offset, seg)
-
-    def copy_local(self, transfers: list[Transfer]) -> None:
-        """Copy whole local pieces from the source shards into the destination shards."""
-        segs = [Segment(t, 0, t.piece.shard_shape(t.shape)[0]) for t in transfers]
-        _copy_many([self.dst_view(s) for s in segs], [self.src_view(s) for s in segs])
+    def views(self, m: RankMessage) -> list[torch.Tensor]:
+        """The message's segments inside the source shards (a send) or destination shards."""
+        return _views(self.src_shards if m.send else self.out, m.views)
 
     def empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
-    def send_buffer(self, m: Message, take: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    def send_buffer(self, m: RankMessage, take: Callable[[int], torch.Tensor]) -> torch.Tensor:
         """The flat tensor to send: the shard view itself when possible, else a packed copy in
         a buffer from `take(numel)`."""
-        if len(m.segments) == 1:
-            view = self.src_view(m.segments[0])
+        views = self.views(m)
+        if len(views) == 1:
+            view = views[0]
             if view.is_contiguous() and view.dtype == self.dtype and view.device == self.device:
                 return view.view(-1)
         buf = take(m.numel)
-        _copy_many(_buffer_views(m, buf), [self.src_view(s) for s in m.segments])
+        _copy_many(_buffer_views(m, buf), views)
         return buf
 
-    def recv_buffer(self, m: Message, take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    def recv_buffer(self, m: RankMessage, take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """A flat tensor to receive into, and whether it is the destination view itself."""
-        if len(m.segments) == 1:
-            view = self.dst_view(m.segments[0])
+        if len(m.views) == 1:
+            view = self.views(m)[0]
             if view.is_contiguous():
                 return view.view(-1), True
         return take(m.numel), False
 
-    def unpack(self, m: Message, buf: torch.Tensor) -> None:
-        _copy_many([self.dst_view(s) for s in m.segments], _buffer_views(m, buf))
+    def unpack(self, m: RankMessage, buf: torch.Tensor) -> None:
+        _copy_many(self.views(m), _buffer_views(m, buf))
 
 
 class _Staging:
@@ -242,68 +268,84 @@ class _Staging:
         return self._buf.narrow(0, start, numel)
 
 
-def _buffer_views(m: Message, buf: torch.Tensor) -> list[torch.Tensor]:
-    """The segments of message `m` inside its flat buffer [m.numel], each in its own shape."""
-    shapes = [seg.shape for seg in m.segments]
-    return [part.view(shape) for part, shape in zip(buf.split([seg.numel for seg in m.segments]), shapes)]
+def _views(tensors: dict[str, torch.Tensor], specs: tuple[ViewSpec, ...]) -> list[torch.Tensor]:
+    """Each spec's view of its tensor: the narrows were resolved ahead, so this is the only
+    per-segment host work besides the copy."""
+    out = []
+    for spec in specs:
+        view = tensors[spec.param]
+        for dim, start, length in spec.narrows:
+            view = view.narrow(dim, start, length)
+        out.append(view)
+    return out
+
+
+def _buffer_views(m: RankMessage, buf: torch.Tensor) -> list[torch.Tensor]:
+    """The segments of message `m` inside its flat buffer [m.numel], each in its own shape.
+    One as_strided per segment from precomputed offsets: cheaper than split + view."""
+    base = buf.storage_offset()
+    return [buf.as_strided(spec.shape, spec.packed_stride, base + offset) for spec, offset in zip(m.views, m.offsets)]
 
 
 def _copy_many(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i in one fused multi-tensor call (the one torch.optim uses).
+    """dst[i].copy_(src[i]) for all i in fused multi-tensor calls (the ones torch.optim uses).
 
     One launch per tensor costs tens of microseconds of host time; with ~150 tensors per model
-    that, not the link, bounded a reallocation on GPU. Mixed dtypes and strided views are fine.
+    that, not the link, bounded a reallocation on GPU. CUDA fuses a list only when every tensor
+    in it is dense (else it loops over the pairs), so the contiguous pairs (dim-0 slices, packed
+    buffers) go in one call and the strided ones (dim-1 slices) in another.
     """
-    if dst:
-        torch._foreach_copy_(dst, src)
+    dense = [i for i, (d, s) in enumerate(zip(dst, src)) if d.is_contiguous() and s.is_contiguous()]
+    if len(dense) in (0, len(dst)):
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return
+    dense_set = set(dense)
+    strided = [i for i in range(len(dst)) if i not in dense_set]
+    torch._foreach_copy_([dst[i] for i in dense], [src[i] for i in dense])
+    torch._foreach_copy_([dst[i] for i in strided], [src[i] for i in strided])
 
 
-def _run_p2p(rounds: tuple[tuple[Message, ...], ...], ctx: _Context, local: list[Transfer],
-             sent: dict[int, int], received: dict[int, int], element_bytes: int) -> int:
+def _run_p2p(program: RankProgram, ctx: _Context) -> int:
     """Run the point-to-point rounds, two in flight: round k+1 is packed and posted before round
     k is waited for and unpacked, so on CUDA packing and unpacking overlap the transfers. The
     local copies run once the first round is in flight. Returns the number of messages posted."""
-    in_flight: list[tuple[list[dist.Work], list[tuple[Message, torch.Tensor]]]] = []
-    n_posted = 0
-    mine = [[m for m in messages if ctx.rank == m.src or ctx.rank in m.receivers] for messages in rounds]
-    staging = _Staging(max((sum(m.numel for m in ms) for ms in mine), default=0), ctx)
-    for messages in mine:
+    in_flight: list[tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]] = []
+    staging = _Staging(program.staging_half, ctx)
+    local_done = False
+    for messages in program.p2p_rounds:
         staging.next_round()
-        works, to_unpack, n = _post_round(messages, ctx, staging, sent, received, element_bytes)
-        n_posted += n
-        if n and local:
-            ctx.copy_local(local)
-            local = []
-        in_flight.append((works, to_unpack))
+        in_flight.append(_post_round(messages, ctx, staging))
+        if not local_done:
+            _copy_many(_views(ctx.out, program.local_dst), _views(ctx.src_shards, program.local_src))
+            local_done = True
         if len(in_flight) == 2:
             _finish_round(*in_flight.pop(0), ctx)
     for works, to_unpack in in_flight:
         _finish_round(works, to_unpack, ctx)
-    ctx.copy_local(local)
-    return n_posted
+    if not local_done:
+        _copy_many(_views(ctx.out, program.local_dst), _views(ctx.src_shards, program.local_src))
+    return sum(len(ms) for ms in program.p2p_rounds)
 
 
-def _post_round(messages: list[Message], ctx: _Context, staging: _Staging, sent: dict[int, int],
-                received: dict[int, int], element_bytes: int) -> tuple[list[dist.Work], list[tuple[Message, torch.Tensor]], int]:
+def _post_round(messages: tuple[RankMessage, ...], ctx: _Context,
+                staging: _Staging) -> tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]:
     """Pack and post this rank's sends and receives of one round together (one NCCL group)."""
     ops: list[dist.P2POp] = []
-    to_unpack: list[tuple[Message, torch.Tensor]] = []
+    to_unpack: list[tuple[RankMessage, torch.Tensor]] = []
     for m in messages:
-        nbytes = m.numel * element_bytes
-        if m.src == ctx.rank:
-            ops.append(dist.P2POp(dist.isend, ctx.send_buffer(m, staging.take), m.receivers[0]))
-            sent[m.receivers[0]] = sent.get(m.receivers[0], 0) + nbytes
-        elif m.receivers[0] == ctx.rank:
+        if m.send:
+            ops.append(dist.P2POp(dist.isend, ctx.send_buffer(m, staging.take), m.peer))
+        else:
             buf, direct = ctx.recv_buffer(m, staging.take)
-            ops.append(dist.P2POp(dist.irecv, buf, m.src))
-            received[m.src] = received.get(m.src, 0) + nbytes
+            ops.append(dist.P2POp(dist.irecv, buf, m.peer))
             if not direct:
                 to_unpack.append((m, buf))
     works = dist.batch_isend_irecv(ops) if ops else []
-    return works, to_unpack, len(ops)
+    return works, to_unpack
 
 
-def _finish_round(works: list[dist.Work], to_unpack: list[tuple[Message, torch.Tensor]], ctx: _Context) -> None:
+def _finish_round(works: list[dist.Work], to_unpack: list[tuple[RankMessage, torch.Tensor]], ctx: _Context) -> None:
     """Wait for a posted round (on CUDA: make the current stream wait) and unpack its receives."""
     for work in works:
         work.wait()
@@ -311,38 +353,19 @@ def _finish_round(works: list[dist.Work], to_unpack: list[tuple[Message, torch.T
         ctx.unpack(m, buf)
 
 
-def _run_broadcast(m: Message, ctx: _Context, groups: ReallocGroups, sent: dict[int, int],
-                   received: dict[int, int], element_bytes: int) -> int:
-    """Broadcast one message in its group when this rank is its source or a receiver."""
-    nbytes = m.numel * element_bytes
-    if m.src == ctx.rank:
-        dist.broadcast(ctx.send_buffer(m, ctx.empty), src=m.src, group=groups.get((m.src,) + m.receivers))
-        for r in m.receivers:
-            sent[r] = sent.get(r, 0) + nbytes
-        return 1
-    if ctx.rank in m.receivers:
-        buf, direct = ctx.recv_buffer(m, ctx.empty)
-        dist.broadcast(buf, src=m.src, group=groups.get((m.src,) + m.receivers))
-        if not direct:
-            ctx.unpack(m, buf)
-        received[m.src] = received.get(m.src, 0) + nbytes
-        return 1
-    return 0
+def _run_broadcast(m: RankMessage, ctx: _Context, groups: ReallocGroups) -> None:
+    """Broadcast one message in its group (source first in `m.group`); this rank is in it."""
+    group = groups.get(m.group)
+    if m.send:
+        dist.broadcast(ctx.send_buffer(m, ctx.empty), src=m.group[0], group=group)
+        return
+    buf, direct = ctx.recv_buffer(m, ctx.empty)
+    dist.broadcast(buf, src=m.group[0], group=group)
+    if not direct:
+        ctx.unpack(m, buf)
 
 
-def _piece_view(tensor: torch.Tensor, offset: int, seg: Segment) -> torch.Tensor:
-    """Rows of `seg` inside `tensor`, a shard that starts at `offset` along the piece's dim.
-    Narrows that would select everything are skipped: host time per view adds up on GPU."""
-    piece = seg.transfer.piece
-    view = tensor
-    if piece.dim is not None and (piece.start != offset or piece.stop - piece.start != view.shape[piece.dim]):
-        view = view.narrow(piece.dim, piece.start - offset, piece.stop - piece.start)
-    if seg.row_start != 0 or seg.row_stop != view.shape[0]:
-        view = view.narrow(0, seg.row_start, seg.row_stop - seg.row_start)
-    return view
-
-
-def _source_offsets(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Tensor]) -> dict[Transfer, int]:
+def _source_offsets(plan: ReallocPlan, rank: int, src_shapes: dict[str, tuple[int, ...]]) -> dict[Transfer, int]:
     """Where each shard this rank sends from starts along the piece's dim, checking its shape.
 
     A tp-split shard of size s along dim d starts at a multiple of s (tp_rank * s), and every
@@ -352,10 +375,9 @@ def _source_offsets(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Te
     for t in plan.transfers:
         if t.src_gpu != rank:
             continue
-        shard = src_shards.get(t.param)
-        if shard is None:
+        shape = src_shapes.get(t.param)
+        if shape is None:
             raise ValueError(f"src_shards of rank {rank} lacks {t.param!r}, which the plan sends from it")
-        shape = tuple(shard.shape)
         dim = t.piece.dim
         others_match = all(s == f for i, (s, f) in enumerate(zip(shape, t.shape)) if i != dim)
         if len(shape) != len(t.shape) or not others_match:

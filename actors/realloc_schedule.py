@@ -170,7 +170,131 @@ def destination_slices(plan: ReallocPlan, rank: int) -> dict[str, tuple[tuple[in
     return out
 
 
+
+
+# ---- this rank's program: the schedule resolved to view specs, computed once per plan ------------
+
+
+@dataclass(frozen=True, slots=True)
+class ViewSpec:
+    """How to cut one segment out of a shard: `narrows` (dim, start, length) applied in order
+    (no-op narrows dropped), giving a view of `shape`. `packed_stride` is the stride of that
+    shape stored contiguously, as it lies in a packed message buffer."""
+
+    param: str
+    narrows: tuple[tuple[int, int, int], ...]
+    shape: tuple[int, ...]
+    packed_stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankMessage:
+    """One message this rank sends (`send`) or receives, with its segments' views in order:
+    source-shard views for a send, destination-shard views for a receive. `offsets` is where
+    each segment starts inside the packed flat buffer [numel]."""
+
+    peer: int  # the receiver of a point-to-point send, else the message's source
+    send: bool
+    numel: int
+    views: tuple[ViewSpec, ...]
+    offsets: tuple[int, ...]
+    group: tuple[int, ...]  # broadcast members (source first); () for point-to-point
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """Everything `execute_reallocation` does on one rank, resolved from the plan ahead of time,
+    so that a repeated reallocation does no planning work: only views, copies and sends."""
+
+    out_shapes: tuple[tuple[str, tuple[int, ...]], ...]  # destination shards to allocate
+    local_dst: tuple[ViewSpec, ...]  # local copies: destination views ...
+    local_src: tuple[ViewSpec, ...]  # ... and the matching source views
+    p2p_rounds: tuple[tuple[RankMessage, ...], ...]  # only rounds where this rank has a message
+    broadcasts: tuple[RankMessage, ...]
+    staging_half: int  # elements of the largest round on this rank
+    bytes_sent: tuple[tuple[int, int], ...]  # (peer, elements)
+    bytes_received: tuple[tuple[int, int], ...]
+    local_numel: int
+
+
+def compile_rank_program(schedule: ReallocSchedule, plan: ReallocPlan, rank: int, src_offsets: dict[Transfer, int],
+                         src_shapes: dict[str, tuple[int, ...]]) -> RankProgram:
+    """Resolve `schedule` for `rank`. src_offsets: where each shard this rank sends from starts
+    along its piece's dim; src_shapes: those shards' shapes (the executor checks both)."""
+    dst_slices = destination_slices(plan, rank)
+    dst_offsets = {name: (slc.dim, slc.start) for name, (_, slc) in dst_slices.items()}
+
+    def view(seg: Segment, is_src: bool) -> ViewSpec:
+        t = seg.transfer
+        if is_src:
+            offset, shard_shape = src_offsets[t], src_shapes[t.param]
+        else:
+            dim, start = dst_offsets[t.param]
+            offset = start if dim is not None and dim == t.piece.dim else 0
+            shard_shape = dst_slices[t.param][1].shard_shape(t.shape)
+        return _view_spec(seg, offset, shard_shape)
+
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+
+    def resolve(m: Message, group: tuple[int, ...]) -> RankMessage | None:
+        if m.src == rank:
+            for r in m.receivers:
+                sent[r] = sent.get(r, 0) + m.numel
+            peer = m.receivers[0] if not group else m.src
+            return RankMessage(peer, True, m.numel, tuple(view(s, True) for s in m.segments), _offsets(m), group)
+        if rank in m.receivers:
+            received[m.src] = received.get(m.src, 0) + m.numel
+            return RankMessage(m.src, False, m.numel, tuple(view(s, False) for s in m.segments), _offsets(m), group)
+        return None
+
+    rounds = []
+    for messages in schedule.p2p_rounds:
+        mine = tuple(r for r in (resolve(m, ()) for m in messages) if r is not None)
+        if mine:
+            rounds.append(mine)
+    bcasts = tuple(r for r in (resolve(m, (m.src,) + m.receivers) for m in schedule.broadcasts) if r is not None)
+    local = [Segment(t, 0, t.piece.shard_shape(t.shape)[0]) for t in schedule.local if t.src_gpu == rank]
+    return RankProgram(
+        out_shapes=tuple((name, slc.shard_shape(shape)) for name, (shape, slc) in dst_slices.items()),
+        local_dst=tuple(view(s, False) for s in local), local_src=tuple(view(s, True) for s in local),
+        p2p_rounds=tuple(rounds), broadcasts=bcasts,
+        staging_half=max((sum(m.numel for m in ms) for ms in rounds), default=0),
+        bytes_sent=tuple(sent.items()), bytes_received=tuple(received.items()),
+        local_numel=sum(s.numel for s in local),
+    )
+
+
+def _view_spec(seg: Segment, offset: int, shard_shape: tuple[int, ...]) -> ViewSpec:
+    """The narrows that cut `seg` out of a shard of `shard_shape` that starts at `offset` along
+    the piece's dim. Narrows that would select everything are dropped: each costs host time."""
+    t = seg.transfer
+    piece = t.piece
+    piece_shape = piece.shard_shape(t.shape)
+    narrows: list[tuple[int, int, int]] = []
+    if piece.dim is not None:
+        length = piece.stop - piece.start
+        if not (piece.start == offset and shard_shape[piece.dim] == length):
+            narrows.append((piece.dim, piece.start - offset, length))
+    if seg.row_start != 0 or seg.row_stop != piece_shape[0]:
+        narrows.append((0, seg.row_start, seg.row_stop - seg.row_start))
+    shape = seg.shape
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return ViewSpec(t.param, tuple(narrows), shape, tuple(stride))
+
+
+def _offsets(m: Message) -> tuple[int, ...]:
+    """Where each segment of `m` starts in its packed buffer (segments laid out in order)."""
+    out, at = [], 0
+    for seg in m.segments:
+        out.append(at)
+        at += seg.numel
+    return tuple(out)
+
+
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "Message", "ReallocSchedule", "Segment", "build_schedule",
-    "destination_slices",
+    "DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "Message", "RankMessage", "RankProgram", "ReallocSchedule", "Segment",
+    "ViewSpec", "build_schedule", "compile_rank_program", "destination_slices",
 ]

@@ -68,7 +68,7 @@ from actors.worker_models import (
 from actors.worker_train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
-from planning.realloc_plan import plan_reallocation
+from planning.realloc_plan import ReallocPlan, plan_reallocation
 
 # Ops by name (a plain mapping; app/algorithms put the name in CallSpec.params["op"]).
 CALL_OPS = {
@@ -105,6 +105,9 @@ class ModelWorker:
         self._groups = ReallocGroups()
         self._roles: dict[str, RoleState] = {}
         self._parallel: dict[Placement, ParallelGroups] = {}
+        # Reallocation plans by (spec, critic, src, dst): a plan is a pure function of these, and the
+        # same pairs recur every iteration (the executor also caches its compiled program per plan).
+        self._realloc_plans: dict[tuple[ModelSpec, bool, Placement, Placement], ReallocPlan] = {}
 
     # ---- distributed setup ---------------------------------------------------------------------
     def ping(self) -> int:
@@ -272,7 +275,10 @@ class ModelWorker:
             # A stale extra copy (made before the last training step): free it before allocating.
             state.copies.after_call(dst, None)
             self._sync_engines(state)
-        plan = plan_reallocation(state.spec, state.critic, src, dst)
+        key = (state.spec, state.critic, src, dst)
+        plan = self._realloc_plans.get(key)
+        if plan is None:
+            plan = self._realloc_plans[key] = plan_reallocation(*key)
         new, moved = execute_reallocation(plan, self.rank, src_shards, self._groups, self.device, state.dtype)
         if in_dst:
             engine = self._engine(state, dst)

@@ -16,6 +16,10 @@ the result exactly against slices of a full model generated identically on both 
 
     python benchmarks/realloc_bench.py                 # two GPUs, NCCL
     python benchmarks/realloc_bench.py --cpu           # gloo on CPU, tiny model, few repetitions
+    python benchmarks/realloc_bench.py --cpu --model llama3.2-1b --tiny-dims   # host time per tensor
+
+`--tiny-dims` keeps the preset's parameter list (layers, tying, biases) but shrinks every size,
+so the bytes are negligible and the times are the executor's host-side work per tensor.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,6 +71,7 @@ class CaseResult:
     seconds: float  # median over repetitions of the slowest rank
     best_seconds: float
     host_seconds: float  # median time for the slowest host to issue everything
+    call_seconds: float  # median wall time of the whole call on the slowest rank (incl. planning)
     bytes_per_link: dict[str, int]
     local_bytes: int
     effective_gbps: float  # busiest link bytes / seconds, GB/s
@@ -75,14 +80,17 @@ class CaseResult:
     exact: bool
 
 
-def _shards(spec: ModelSpec, placement: Placement, rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's slices of the full model under `placement` (empty outside its mesh), copied."""
+def _shards(spec: ModelSpec, placement: Placement, rank: int, full: dict[str, torch.Tensor],
+            copy: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's slices of the full model under `placement` (empty outside its mesh), copied
+    unless `copy` is False (views, enough to compare against)."""
     if rank not in placement.mesh.gpus:
         return {}
     out = {}
     for p, piece in rank_params(spec, False, placement, rank - placement.mesh.start):
         t = full[p.name]
-        out[p.name] = (t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.stop - piece.start)).clone()
+        view = t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.stop - piece.start)
+        out[p.name] = view.clone() if copy else view
     return out
 
 
@@ -94,17 +102,20 @@ def _full_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> di
 
 
 def _time_case(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Tensor], groups: ReallocGroups,
-               device: torch.device, dtype: torch.dtype, args: argparse.Namespace, reps: int) -> list[tuple[float, float]]:
-    """(seconds, host seconds) of each repetition, the slowest rank's."""
+               device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
+               reps: int) -> list[tuple[float, float, float]]:
+    """(seconds, host seconds, whole-call seconds) of each repetition, the slowest rank's."""
     times = []
     for _ in range(reps):
         dist.barrier()
+        call_start = time.perf_counter()
         out, stats = execute_reallocation(plan, rank, src_shards, groups, device, dtype, args.bucket_mib * 2**20,
                                           int(args.direct_mib * 2**20))
+        call_seconds = time.perf_counter() - call_start
         del out
-        slowest = torch.tensor([stats.seconds, stats.host_seconds], dtype=torch.float64, device=device)
+        slowest = torch.tensor([stats.seconds, stats.host_seconds, call_seconds], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append((float(slowest[0].item()), float(slowest[1].item())))
+        times.append((float(slowest[0].item()), float(slowest[1].item()), float(slowest[2].item())))
     return times
 
 
@@ -116,14 +127,14 @@ def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: 
     src_shards = _shards(spec, src, rank, full)
     out, _ = execute_reallocation(plan, rank, src_shards, groups, device, dtype, args.bucket_mib * 2**20,
                                   int(args.direct_mib * 2**20))
-    expected = _shards(spec, dst, rank, full)
+    expected = _shards(spec, dst, rank, full, copy=False)
     exact = sorted(out) == sorted(expected) and all(torch.equal(out[k], v) for k, v in expected.items())
     del out, expected, full
     flag = torch.tensor([1.0 if exact else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     _time_case(plan, rank, src_shards, groups, device, dtype, args, args.warmup)
     timed = _time_case(plan, rank, src_shards, groups, device, dtype, args, args.reps)
-    times = [t for t, _ in timed]
+    times = [t for t, _, _ in timed]
     elem = torch.empty((), dtype=dtype).element_size()
     links = plan.bytes_per_link(elem)
     seconds = statistics.median(times)
@@ -131,7 +142,8 @@ def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: 
     gbps = busiest / seconds / 1e9 if busiest else 0.0
     cluster = ClusterSpec(1, GPN, hardware_preset("h200-141g"))
     return CaseResult(
-        case=name, seconds=seconds, best_seconds=min(times), host_seconds=statistics.median(h for _, h in timed),
+        case=name, seconds=seconds, best_seconds=min(times), host_seconds=statistics.median(h for _, h, _ in timed),
+        call_seconds=statistics.median(c for _, _, c in timed),
         bytes_per_link={f"{s}->{d}": b for (s, d), b in sorted(links.items())},
         local_bytes=plan.local_bytes(elem), effective_gbps=gbps, pct_of_peak=100 * gbps * 1e9 / PEAK_BCAST_BPS,
         predicted_seconds=realloc_time_s(plan, cluster, elem), exact=bool(flag.item() == 1.0),
@@ -168,7 +180,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
     dist.barrier()  # the world communicator exists before any point-to-point batch
     try:
-        spec = model_preset(args.model)
+        spec = _tiny_dims(model_preset(args.model)) if args.tiny_dims else model_preset(args.model)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         groups = ReallocGroups()
         results = [_run_case(name, src, dst, spec, rank, groups, device, dtype, args) for name, src, dst in CASES]
@@ -185,17 +197,24 @@ def _report(results: list[CaseResult], raw_bps: float, spec: ModelSpec, args: ar
           f"bucket {args.bucket_mib} MiB, direct >= {args.direct_mib} MiB, {args.reps} reps after {args.warmup} warm-up")
     print(f"raw broadcast of {args.raw_mib} MiB g0->g1: {raw_bps / 1e9:.1f} GB/s "
           f"({100 * raw_bps / PEAK_BCAST_BPS:.0f}% of {PEAK_BCAST_BPS / 1e9:.0f} GB/s)")
-    header = f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'pred(h200)':>10} {'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local"
+    header = f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'call':>9} {'pred(h200)':>10} {'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local"
     print(header)
     print("-" * len(header))
     for r in results:
         links = ", ".join(f"{k}: {_mb(v)}" for k, v in r.bytes_per_link.items()) or "none"
-        print(f"{r.case:<24} {r.seconds:>9.5f} {r.best_seconds:>9.5f} {r.host_seconds:>9.5f} {r.predicted_seconds:>10.5f} "
+        print(f"{r.case:<24} {r.seconds:>9.5f} {r.best_seconds:>9.5f} {r.host_seconds:>9.5f} {r.call_seconds:>9.5f} {r.predicted_seconds:>10.5f} "
               f"{r.effective_gbps:>7.1f} {r.pct_of_peak:>6.1f} {str(r.exact):>5}  {links} / local {_mb(r.local_bytes)}")
     if args.json:
         payload = {"mode": mode, "model": spec.name, "dtype": args.dtype, "bucket_mib": args.bucket_mib,
                    "direct_mib": args.direct_mib, "raw_broadcast_gbps": raw_bps / 1e9, "cases": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+def _tiny_dims(spec: ModelSpec) -> ModelSpec:
+    """`spec` with the same parameter list but every size tiny (hidden 64, 4 heads of 16, 2 KV
+    heads, intermediate 128, vocab 512), so that timings measure host work per tensor."""
+    return replace(spec, name=f"{spec.name}-tiny-dims", vocab_size=512, hidden_size=64, intermediate_size=128,
+                   n_heads=4, n_kv_heads=2, head_dim=16)
 
 
 def _mb(nbytes: int) -> str:
@@ -209,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --cpu)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up repetitions (default 3; 1 with --cpu)")
+    parser.add_argument("--tiny-dims", action="store_true",
+                        help="keep the preset's tensors but shrink their sizes: measures host time per tensor")
     parser.add_argument("--bucket-mib", type=int, default=256)
     parser.add_argument("--direct-mib", type=float, default=64.0,
                         help="slices at least this large are sent without packing when contiguous")
