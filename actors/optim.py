@@ -65,6 +65,18 @@ class AdamWConfig:
             raise ValueError(f"AdamWConfig.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
 
 
+def adamw_config_from(owner: str, values: dict[str, object]) -> AdamWConfig:
+    """An AdamWConfig from a plain dict (as sent over Ray); unknown keys raise naming `owner`."""
+    allowed = set(AdamWConfig.__dataclass_fields__)
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ValueError(f"optim for {owner}: unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}")
+    fields = dict(values)
+    if "betas" in fields:
+        fields["betas"] = tuple(fields["betas"])  # type: ignore[arg-type]
+    return AdamWConfig(**fields)  # type: ignore[arg-type]
+
+
 def lr_at(config: AdamWConfig, step: int) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup to lr over warmup_steps,
     then cosine decay to lr * min_lr_ratio at total_steps (constant lr when total_steps is None)."""
@@ -218,4 +230,4 @@ class ShardedAdamW:
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
 
 
-__all__ = ["AdamWConfig", "ShardedAdamW", "lr_at"]
+__all__ = ["AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

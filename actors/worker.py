@@ -43,7 +43,7 @@ from actors.distributed import ParallelGroups
 from actors.engine import ModelEngine
 from actors.hf_io import export_hf_checkpoint, load_hf_checkpoint
 from actors.offload import ModelCopies
-from actors.optim import AdamWConfig, ShardedAdamW
+from actors.optim import ShardedAdamW, adamw_config_from
 from actors.parallelize import named_trainable_parameters, norm_excluded_names
 from actors.realloc import ReallocGroups, execute_reallocation
 from actors.worker_calls import (
@@ -188,7 +188,7 @@ class ModelWorker:
         """
         start = time.perf_counter()
         torch_dtype = self._dtype(dtype)
-        config = self._optim_config(role, optim) if trainable else None
+        config = adamw_config_from(role, optim) if trainable else None
         state = RoleState(spec, critic, trainable, torch_dtype, config, ModelCopies(role, trainable, offload_idle=False))
         self._roles[role] = state
         if self.rank not in placement.mesh.gpus:
@@ -216,17 +216,6 @@ class ModelWorker:
         if name not in DTYPES:
             raise ValueError(f"dtype={name!r}: allowed: {', '.join(DTYPES)}")
         return DTYPES[name]
-
-    @staticmethod
-    def _optim_config(role: str, optim: dict[str, Any]) -> AdamWConfig:
-        allowed = set(AdamWConfig.__dataclass_fields__)
-        unknown = sorted(set(optim) - allowed)
-        if unknown:
-            raise ValueError(f"optim for {role}: unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}")
-        values = dict(optim)
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return AdamWConfig(**values)
 
     def _role(self, role: str) -> RoleState:
         if role not in self._roles:
