@@ -62,6 +62,8 @@ from actors.worker_models import (
     bind_shards,
     home_of,
     placement_group_sets,
+    resolve_device,
+    resolve_dtype,
     shards_of,
     unbind_shards,
 )
@@ -84,14 +86,6 @@ CALL_OPS = {
     "dpo_actor": run_dpo_actor,
 }
 MODEL_FREE_OPS = ("rule_reward",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        # Ray gives each worker one GPU through CUDA_VISIBLE_DEVICES: it is always cuda:0.
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
 
 
 class ModelWorker:
@@ -211,11 +205,7 @@ class ModelWorker:
                 "local_params": n_local, "seconds": time.perf_counter() - start}
 
     def _dtype(self, name: str | None) -> torch.dtype:
-        if name is None:
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        if name not in DTYPES:
-            raise ValueError(f"dtype={name!r}: allowed: {', '.join(DTYPES)}")
-        return DTYPES[name]
+        return resolve_dtype(name, self.device)
 
     def _role(self, role: str) -> RoleState:
         if role not in self._roles:

@@ -38,6 +38,26 @@ def placement_group_sets(placement: Placement) -> list[tuple[int, ...]]:
     return [tuple(sorted(s)) for s in sets if len(s) > 1]
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto": cuda:0 when there is a GPU (Ray gives each worker one GPU through
+    CUDA_VISIBLE_DEVICES, so it is always cuda:0), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """A model's parameter dtype by name; None: bf16 on GPU, fp32 on CPU."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 @dataclass
 class RoleState:
     """One role's model on this worker (mutable bookkeeping of one process)."""
@@ -96,5 +116,5 @@ def assemble_full_state(gathered: list[tuple[int, int, int, dict[str, Tensor]]],
     return merge_stage_states(by_stage)
 
 
-__all__ = ["RoleState", "assemble_full_state", "bind_shards", "home_of", "placement_group_sets", "shards_of",
-           "unbind_shards"]
+__all__ = ["DTYPES", "RoleState", "assemble_full_state", "bind_shards", "home_of", "placement_group_sets",
+           "resolve_device", "resolve_dtype", "shards_of", "unbind_shards"]

@@ -137,7 +137,8 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
     """Run every microbenchmark and return the profile JSON object: the measured HardwareSpec
     fields at top level, "efficiency", "preset" and "measurements" (raw numbers, the cost model's
     seconds at the preset and at the profile beside the measured ones, machine, date)."""
-    from actors.profiler import MIN_EFFICIENCY, fit_efficiency, measure_engine, measure_hardware, predicted_seconds
+    from actors.profile_fit import fit_efficiency, predicted_seconds
+    from actors.profiler import MIN_EFFICIENCY, measure_engine, measure_hardware
 
     timing = measure_engine(settings)  # first: spawned collective processes leave load behind on CPU
     hardware = measure_hardware(settings, ranks)

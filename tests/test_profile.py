@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from actors.profiler import (
-    MIN_EFFICIENCY, EngineTiming, ProfileSettings, cut_model, fit_efficiency, measure_collectives, predicted_seconds,
-    solve_efficiency,
-)
+from actors.profile_fit import fit_efficiency, predicted_seconds, solve_efficiency
+from actors.profiler import MIN_EFFICIENCY, EngineTiming, ProfileSettings, cut_model, measure_collectives
 from app.__main__ import main
 from app.cli_profile import default_preset, format_table
 from app.config import load_config
