@@ -8,13 +8,16 @@ base cache stores [n_seqs, max_len, n_kv, head_dim] and attends with SDPA on a t
 are folded into the query-length axis: q [B, Hkv, group, D] against K/V [B, Hkv, L, D] is plain
 multi-head attention with `group` queries, so one fused kernel reads the cache once.
 
-`kernel` picks the decode attention: "sdpa" (one fused SDPA call with a length mask) or
-"matmul" (two batched matmuls and a float32 softmax over [B, Hkv, group, L]; on small query
-counts this can beat the fused kernels, which are tuned for long queries).
+`kernel` picks the decode attention: "triton" (actors/decode_attention.py: one kernel per layer
+that appends the step's K/V and attends over each sequence's own length; CUDA, the default
+there), "sdpa" (one fused SDPA call with a length mask) or "matmul" (two batched matmuls and a
+float32 softmax over [B, Hkv, group, L]; on small query counts this can beat the fused kernels,
+which are tuned for long queries). "auto" resolves to "triton" where it runs, else "sdpa".
 
 `attend_len` (a host int, default max_len) limits decode attention to the first slots; the
 generation loop raises it in buckets as sequences grow, so early steps do not read empty slots
-(each bucket gets its own CUDA graph). The model calls `prefill` / `decode` exactly as on the base
+(each bucket gets its own CUDA graph). The "triton" kernel reads each sequence's own length from
+the device, so it ignores `attend_len` (one graph serves every step). The model calls `prefill` / `decode` exactly as on the base
 class; positions and lengths keep the base class's meaning.
 
 Kernels per step: a decode step is launch-bound, so the additive length mask is built once per
@@ -29,19 +32,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
+from actors.decode_attention import gqa_decode_attention
 from actors.packing import PackedBatch
+from actors.triton_support import triton_on, triton_runs
+
+DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
 
 
-DECODE_KERNELS = ("sdpa", "matmul")
+def resolve_decode_kernel(kernel: str, device: torch.device | str) -> str:
+    """The decode attention kernel to use on `device`: "auto" is "triton" on CUDA with triton,
+    else "sdpa"; an explicit "triton" must be runnable there (CUDA, or CPU under the interpreter)."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode attention kernel {kernel!r}: unknown; allowed: {', '.join(DECODE_KERNELS)}")
+    if kernel == "auto":
+        return "triton" if triton_on(device) else "sdpa"
+    if kernel == "triton" and not triton_runs(device):
+        raise ValueError(f"decode attention kernel 'triton' cannot run on {torch.device(device)}: needs CUDA "
+                         f"with triton installed (or TRITON_INTERPRET=1 on CPU); use 'auto' or 'sdpa'")
+    return kernel
+
+
 
 
 class HeadMajorKVCache(KVCache):
     """k[layer], v[layer]: [n_seqs, n_kv_local, max_len, head_dim]; lengths int64 [n_seqs]."""
 
     def __init__(self, layers: dict[int, CacheLayerShape], n_seqs: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, kernel: str = "sdpa") -> None:
-        if kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode attention kernel {kernel!r}: unknown; allowed: {', '.join(DECODE_KERNELS)}")
+                 device: torch.device | str, kernel: str = "auto") -> None:
+        kernel = resolve_decode_kernel(kernel, device)
         super().__init__({}, n_seqs, max_len, dtype, device)  # lengths and flags; buffers below
         self.kernel = kernel
         for idx, shape in layers.items():
@@ -60,7 +78,7 @@ class HeadMajorKVCache(KVCache):
 
     @staticmethod
     def for_model(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, kernel: str = "sdpa") -> HeadMajorKVCache:
+                  device: torch.device | str | None = None, kernel: str = "auto") -> HeadMajorKVCache:
         """A cache sized for the attention layers `model` (a `Transformer` or stage) holds."""
         layers = {int(idx): CacheLayerShape(layer.self_attn.n_kv_heads, layer.self_attn.head_dim)
                   for idx, layer in model.model.layers.items()}
@@ -71,7 +89,7 @@ class HeadMajorKVCache(KVCache):
         """Attend over slots [0, attend_len) in decode; must cover every length + 1."""
         if not 1 <= attend_len <= self.max_len:
             raise ValueError(f"attend_len={attend_len}: must be in [1, max_len={self.max_len}]")
-        self.attend_len = attend_len
+        self.attend_len = self.max_len if self.kernel == "triton" else attend_len
 
     def reset(self) -> None:
         super().reset()
@@ -120,6 +138,11 @@ class HeadMajorKVCache(KVCache):
         first `attend_len` slots. Static shapes, no host sync (CUDA-graph safe)."""
         n_seqs, n_q, head_dim = q.shape
         cache_k, cache_v = self.k[layer], self.v[layer]
+        if self.kernel == "triton" and kv_index is None:
+            # Writes K/V at slot lengths[b] and attends over [0, lengths[b]] in one kernel.
+            # torch.compile traces through the launch (user-defined Triton kernels are supported),
+            # so the compiled step keeps fusing the elementwise work around it.
+            return gqa_decode_attention(q, k, v, cache_k, cache_v, self.lengths, sliding_window)
         cache_k[self.rows, :, self.lengths] = k.to(cache_k.dtype)
         cache_v[self.rows, :, self.lengths] = v.to(cache_v.dtype)
         keys, values = cache_k[:, :, : self.attend_len], cache_v[:, :, : self.attend_len]  # [B, Hkv, L, D]
@@ -147,4 +170,4 @@ class HeadMajorKVCache(KVCache):
         return out.reshape(n_seqs, n_q, head_dim)
 
 
-__all__ = ["DECODE_KERNELS", "HeadMajorKVCache"]
+__all__ = ["DECODE_KERNELS", "HeadMajorKVCache", "resolve_decode_kernel"]

@@ -45,7 +45,8 @@ class GenerationConfig:
     None skips the check there.
     attend_bucket: decode attention reads the cache up to the longest sequence rounded up to a
     multiple of this (one CUDA graph per bucket), not the whole max_len.
-    decode_attention: "sdpa" or "matmul" (actors/decode_cache.py).
+    decode_attention: "auto" (the Triton decode kernel on CUDA, else SDPA), "triton", "sdpa" or
+    "matmul" (actors/decode_cache.py).
     compile_decode: run the decode step through torch.compile (fuses the many small
     elementwise kernels of a step; compiles once per call and attention bucket shape).
     """
@@ -60,7 +61,7 @@ class GenerationConfig:
     pp_micro_batches: int | None = None
     memory_limit_bytes: int | None = None
     attend_bucket: int = 128
-    decode_attention: str = "sdpa"
+    decode_attention: str = "auto"
     compile_decode: bool = False
 
     def __post_init__(self) -> None:

@@ -10,6 +10,13 @@ to the ordinary serial computation.
 Sampling distribution: `temperature` divides the logits, and `allowed` (bool [T, V_local], True
 where top-k/top-p sampling kept the token) masks the rest to -inf, so train-time logprobs can
 use the distribution the tokens were sampled from. Every row must allow at least one token.
+
+Fast path: on CUDA (actors/triton_support.py `triton_on`) the logprob uses the fused Triton kernels
+of actors/fused_logprobs.py. They read the logits once per pass and return per-row (max, sum of
+exp) of the local slice, combined across the tp group exactly; backward recomputes the
+probabilities from the saved logits instead of keeping a float32 [T, V_local] probs tensor. The
+torch code here is the reference and the CPU path. Neither path saves anything for backward
+when no gradient is wanted (inference).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from actors.distributed import group_rank, group_size
+from actors.triton_support import triton_on, triton_runs
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
@@ -28,14 +36,20 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp.RedOpTy
     return x
 
 
-def _scaled_logits(logits: Tensor, temperature: float, allowed: Tensor | None) -> Tensor:
-    """float32 [T, V_local] logits / temperature, -inf where not allowed."""
+def _check_temperature_and_mask(logits: Tensor, temperature: float, allowed: Tensor | None) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
-    scaled = logits.float() / temperature
+    if allowed is not None and allowed.shape != logits.shape:
+        raise ValueError(f"allowed: shape {tuple(allowed.shape)}; must match logits {tuple(logits.shape)}")
+
+
+def _scaled_logits(logits: Tensor, temperature: float, allowed: Tensor | None) -> Tensor:
+    """float32 [T, V_local] logits / temperature, -inf where not allowed."""
+    _check_temperature_and_mask(logits, temperature, allowed)
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
     if allowed is not None:
-        if allowed.shape != logits.shape:
-            raise ValueError(f"allowed: shape {tuple(allowed.shape)}; must match logits {tuple(logits.shape)}")
         scaled = scaled.masked_fill(~allowed, float("-inf"))
     return scaled
 
@@ -50,33 +64,83 @@ def _softmax_stats(scaled: Tensor, group: ProcessGroup | None) -> tuple[Tensor, 
     return shifted, sum_exp.log()
 
 
+def combine_row_stats(local_max: Tensor, local_sumexp: Tensor, picked: Tensor,
+                      group: ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """Exact log-normaliser across the tp group from per-rank statistics of the fused kernel.
+
+    local_max m [T] (-inf where this rank's slice is all masked), local_sumexp s [T] = sum of
+    exp(x - m) over the slice, picked [T] (the target's scaled logit on its owner, 0 elsewhere).
+    Returns (picked summed over the group [T], log_z [T]) with M = max over ranks of m and
+    log_z = M + log(sum over ranks of s * exp(m - M)); two all-reduces (MAX, then one SUM of both).
+    """
+    row_max = _all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)  # M [T]
+    # Shift by 0 where every rank is masked (M = -inf) so exp(m - M) is 0 there, not NaN.
+    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    both = torch.stack([local_sumexp * (local_max - shift).exp(), picked])  # [2, T]
+    _all_reduce(both, group)
+    return both[1], row_max + both[0].log()
+
+
+def _torch_forward(ctx: torch.autograd.function.FunctionCtx, logits: Tensor, local_target: Tensor,
+                   group: ProcessGroup | None, temperature: float, allowed: Tensor | None, save: bool) -> Tensor:
+    """The reference (and CPU) path: float32 [T, V_local] temporaries; probs saved for backward."""
+    shifted, log_z = _softmax_stats(_scaled_logits(logits, temperature, allowed), group)
+    local_vocab = logits.shape[-1]
+    owned = (local_target >= 0) & (local_target < local_vocab)  # [T]: this rank holds the target
+    index = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
+    picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~owned, 0.0)  # [T]
+    _all_reduce(picked, group)
+    if save:
+        probs = (shifted - log_z.unsqueeze(-1)).exp()  # [T, V_local]; 0 where masked
+        ctx.save_for_backward(probs, index, owned)
+    return picked - log_z
+
+
+def _fused_forward(ctx: torch.autograd.function.FunctionCtx, logits: Tensor, local_target: Tensor,
+                   group: ProcessGroup | None, temperature: float, allowed: Tensor | None, save: bool) -> Tensor:
+    """The Triton path: one read of the logits for [T] statistics; backward recomputes probs."""
+    from actors.fused_logprobs import logprob_row_stats  # imports triton: only when asked for
+
+    logits = logits.contiguous()
+    allowed = None if allowed is None else allowed.contiguous()
+    local_max, local_sumexp, picked = logprob_row_stats(logits, local_target, temperature, allowed)
+    picked, log_z = combine_row_stats(local_max, local_sumexp, picked, group)
+    if save:
+        ctx.save_for_backward(logits, local_target, allowed, log_z)
+    return picked - log_z
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     """log softmax(logits / temperature)[t, target_t], vocab split over the tp group."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, logits: Tensor, targets: Tensor,
-                group: ProcessGroup | None, temperature: float, allowed: Tensor | None) -> Tensor:
-        shifted, log_z = _softmax_stats(_scaled_logits(logits, temperature, allowed), group)
-        local_vocab = logits.shape[-1]
-        local_target = targets - group_rank(group) * local_vocab
-        owned = (local_target >= 0) & (local_target < local_vocab)  # [T]: this rank holds the target
-        index = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
-        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~owned, 0.0)  # [T]
-        _all_reduce(picked, group)
-        probs = (shifted - log_z.unsqueeze(-1)).exp()  # [T, V_local]; 0 where masked
-        ctx.save_for_backward(probs, index, owned)
+                group: ProcessGroup | None, temperature: float, allowed: Tensor | None, use_triton: bool,
+                grad_wanted: bool) -> Tensor:
+        _check_temperature_and_mask(logits, temperature, allowed)
+        local_target = targets - group_rank(group) * logits.shape[-1]  # [T]; outside [0, V_local): not ours
+        # needs_input_grad is True under no_grad too when logits require grad; grad_wanted is not.
+        save = bool(ctx.needs_input_grad[0]) and grad_wanted
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype
-        return picked - log_z
+        ctx.use_triton = use_triton
+        forward_fn = _fused_forward if use_triton else _torch_forward
+        return forward_fn(ctx, logits, local_target, group, temperature, allowed, save)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         # d logprob_t / d logit_tv = (onehot(target_t)_v - p_tv) / temperature.
+        if ctx.use_triton:
+            from actors.fused_logprobs import logprob_grad
+
+            logits, local_target, allowed, log_z = ctx.saved_tensors
+            grad_logits = logprob_grad(logits, local_target, log_z, grad, ctx.temperature, allowed)
+            return grad_logits, None, None, None, None, None, None
         probs, index, owned = ctx.saved_tensors
         grad_logits = -probs
         grad_logits.scatter_add_(-1, index, owned.to(probs.dtype).unsqueeze(-1))
         grad_logits.mul_(grad.float().unsqueeze(-1) / ctx.temperature)
-        return grad_logits.to(ctx.logits_dtype), None, None, None, None
+        return grad_logits.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -106,16 +170,31 @@ class _VocabParallelEntropy(torch.autograd.Function):
         return grad_logits.to(ctx.logits_dtype), None, None, None
 
 
+def _resolve_use_triton(use_triton: bool | None, device: torch.device) -> bool:
+    """None -> the default for the device (CUDA with triton); True -> checked that kernels can run."""
+    if use_triton is None:
+        return triton_on(device)
+    if use_triton and not triton_runs(device):
+        raise RuntimeError(f"use_triton=True: Triton kernels cannot run on {device} here (needs CUDA with "
+                           "triton, or CPU with TRITON_INTERPRET=1 set before triton is imported)")
+    return use_triton
+
+
 def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, group: ProcessGroup | None = None,
-                            temperature: float = 1.0, allowed: Tensor | None = None) -> Tensor:
+                            temperature: float = 1.0, allowed: Tensor | None = None,
+                            use_triton: bool | None = None) -> Tensor:
     """float32 [T] log p(targets[t]) under softmax(logits[t] / temperature) over the full vocab.
 
     logits [T, V_local] (this rank's vocab slice), targets int64 [T] global token ids;
-    differentiable with respect to logits.
+    differentiable with respect to logits. use_triton: the fused kernels of
+    actors/fused_logprobs.py (None: on CUDA when triton is installed, see actors/triton_support.py).
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} / targets {tuple(targets.shape)}: need [T, V_local] and [T]")
-    return _VocabParallelLogprob.apply(logits, targets.long(), group, float(temperature), allowed)
+    fused = _resolve_use_triton(use_triton, logits.device)
+    grad_wanted = torch.is_grad_enabled() and logits.requires_grad
+    return _VocabParallelLogprob.apply(logits, targets.long(), group, float(temperature), allowed, fused,
+                                       grad_wanted)
 
 
 def vocab_parallel_entropy(logits: Tensor, group: ProcessGroup | None = None, temperature: float = 1.0,
@@ -151,15 +230,16 @@ def shift_to_token_positions(per_position: Tensor, cu_seqlens: Tensor) -> Tensor
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, cu_seqlens: Tensor, group: ProcessGroup | None = None,
-                   temperature: float = 1.0, allowed: Tensor | None = None) -> Tensor:
+                   temperature: float = 1.0, allowed: Tensor | None = None,
+                   use_triton: bool | None = None) -> Tensor:
     """float32 [T]: logprobs[i] = log p(tokens[i] | tokens before it in its sequence), 0 at each
     sequence's first token. logits [T, V_local] from the model on the packed `tokens` [T]."""
     targets, _ = next_token_targets(tokens, cu_seqlens)
-    per_position = vocab_parallel_logprobs(logits, targets, group, temperature, allowed)
+    per_position = vocab_parallel_logprobs(logits, targets, group, temperature, allowed, use_triton)
     return shift_to_token_positions(per_position, cu_seqlens)
 
 
 __all__ = [
-    "next_token_targets", "shift_to_token_positions", "token_logprobs", "vocab_parallel_entropy",
+    "combine_row_stats", "next_token_targets", "shift_to_token_positions", "token_logprobs", "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
 ]

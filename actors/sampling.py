@@ -2,8 +2,10 @@
 the train side applies so its logprobs use the distribution the tokens were sampled from.
 
 Order of operations (as in transformers): divide by the temperature, keep the top-k logits, then
-keep the smallest set of the remaining tokens whose probability mass reaches top-p. Everything
-works on the vocabulary sorted by logit, so the kept set of a row is "its first n sorted tokens".
+keep the smallest set of the remaining tokens whose probability mass reaches top-p. Truncation
+works on the vocabulary sorted by logit, so the kept set of a row is "its first n sorted tokens";
+without truncation nothing is sorted: greedy and inverse-CDF sampling run over the vocabulary in
+its own order, fused into one kernel per step on CUDA (actors/fused_sampling.py).
 
 How the truncation is kept for later logprobs (the choice, documented): generation returns, for
 every sampled token, `kept_count` = how many tokens the top-k/top-p set held (int32, one per
@@ -31,6 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from actors.fused_sampling import sample_rows, sample_rows_reference
+from actors.triton_support import triton_on
 
 
 @dataclass(frozen=True)
@@ -141,20 +146,23 @@ def sample_logits(logits: Tensor, params: SamplingParams, uniforms: Tensor | Non
     greedy, under the plain softmax.
     """
     n_rows, vocab = logits.shape
-    if params.greedy:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        tokens = torch.argmax(logits, dim=-1)  # first maximum, like transformers
-        counts = torch.ones(n_rows, dtype=torch.int32, device=logits.device)
-        return SampledTokens(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), counts)
-    if uniforms is None or uniforms.shape != (n_rows,):
+    if not params.greedy and (uniforms is None or uniforms.shape != (n_rows,)):
         got = None if uniforms is None else tuple(uniforms.shape)
         raise ValueError(f"uniforms: need float [{n_rows}] for sampling, got {got}")
+    if not params.truncates:
+        # Greedy, or inverse CDF over the whole vocabulary in its own order: one fused kernel
+        # on CUDA (actors/fused_sampling.py), its torch twin elsewhere.
+        temperature = 0.0 if params.greedy else params.temperature
+        row_uniforms = None if params.greedy else uniforms
+        if triton_on(logits.device):
+            tokens, logprobs = sample_rows(logits.contiguous(), temperature, row_uniforms)
+        else:
+            tokens, logprobs = sample_rows_reference(logits, temperature, row_uniforms)
+        counts = torch.full((n_rows,), 1 if params.greedy else vocab, dtype=torch.int32, device=logits.device)
+        return SampledTokens(tokens, logprobs, counts)
     sorted_logits, order = _scaled_sorted(logits, params)
-    if params.truncates:
-        counts = _kept_counts(sorted_logits, params)
-        sorted_logits = _mask_beyond(sorted_logits, counts)
-    else:
-        counts = torch.full((n_rows,), vocab, dtype=torch.int32, device=logits.device)
+    counts = _kept_counts(sorted_logits, params)
+    sorted_logits = _mask_beyond(sorted_logits, counts)
     logp_sorted = torch.log_softmax(sorted_logits, dim=-1)  # [B, V], -inf beyond the kept set
     cdf = torch.cumsum(logp_sorted.exp(), dim=-1)  # [B, V], ends at ~1
     targets = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]  # [B, 1]

@@ -147,6 +147,7 @@ def generation_config(ctx: CallContext, first_row: int) -> GenerationConfig:
         eos_token_id=p.get("eos_token_id", spec.eos_token_id), ignore_eos=bool(p.get("ignore_eos", False)),
         pad_token_id=int(p.get("pad_token_id", 0)),
         use_cuda_graph=ctx.device.type == "cuda" and bool(p.get("cuda_graph", True)),
+        compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
     )
 
 

@@ -99,6 +99,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
     train_s = timed(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), args.steps)
     with torch.no_grad():
         fwd_s = timed(lambda: engine.forward_logprobs(batch, n_micro=args.n_micro), args.steps)
+    if args.profile and rank == 0 and not args.cpu:
+        print_profile(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), f"train step, tp={world}")
     if rank == 0:
         n_tokens = sum(batch.lengths)
         out[world] = {
@@ -107,15 +109,28 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
             "fwd_flops": flops_per_token(spec, list(batch.lengths), False) * n_tokens,
             "mem_gib": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
+        print(f"measured tp={world}: train {train_s:.3f} s/step, forward {fwd_s:.3f} s/step, "
+              f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB", flush=True)
+
+
+def print_profile(step, title: str) -> None:
+    """The top CUDA kernels of one call of `step` (where the time of a step goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"profile of one {title}:")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
 def spawn(world: int, args: argparse.Namespace) -> dict:
+    """Run one tp degree in fresh processes (tp=1 too), so each starts with an empty GPU: the
+    caching allocator of a finished run would otherwise keep its memory from the next one."""
     manager = mp.Manager()
     out = manager.dict()
-    if world == 1:
-        run_rank(0, 1, 0, args, out)
-    else:
-        mp.spawn(_entry, args=(world, free_port(), args, out), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), args, out), nprocs=world, join=True)
     return dict(out)
 
 
@@ -134,6 +149,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one train step")
     args = parser.parse_args()
     if args.cpu:
         args.tokens_per_mb, args.min_len, args.max_len, args.steps, args.warmup = 256, 16, 64, 2, 1

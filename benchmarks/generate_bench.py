@@ -63,8 +63,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s per GPU")
-    parser.add_argument("--modes", default="eager,graph,graph+matmul,graph+compile",
-                        help="comma list of eager|graph[+matmul][+compile]")
+    parser.add_argument("--modes", default="eager,graph+sdpa,graph,graph+compile",
+                        help="comma list of eager|graph[+sdpa|+matmul|+triton][+compile]")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, gloo)")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
     parser.add_argument("--profile", action="store_true",
@@ -117,14 +117,17 @@ def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: Gene
 
 
 def mode_config(mode: str, new_tokens: int) -> GenerationConfig:
-    """Config of a mode: "eager" or "graph", optionally with "+matmul" (decode attention kernel)
-    and "+compile" (torch.compile'd decode step), e.g. "graph+compile+matmul"."""
+    """Config of a mode: "eager" or "graph", optionally with a decode attention kernel "+sdpa",
+    "+matmul" or "+triton" (default "auto": Triton on CUDA) and "+compile" (torch.compile'd
+    decode step), e.g. "graph+compile+sdpa"."""
     parts = mode.split("+")
-    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= {"matmul", "compile"}:
-        raise ValueError(f"--modes: {mode!r} unknown; allowed: eager|graph[+matmul][+compile]")
+    kernels = {"sdpa", "matmul", "triton"}
+    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile"}:
+        raise ValueError(f"--modes: {mode!r} unknown; allowed: eager|graph[+sdpa|+matmul|+triton][+compile]")
+    kernel = next((p for p in parts[1:] if p in kernels), "auto")
     return GenerationConfig(new_tokens, SamplingParams(temperature=0.0), ignore_eos=True,
                             use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
-                            decode_attention="matmul" if "matmul" in parts else "sdpa")
+                            decode_attention=kernel)
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[BenchResult]:
@@ -147,24 +150,34 @@ def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[Benc
     roofline = roofline_tokens_per_s(model, spec, args)
     results = []
     for mode in args.modes.split(","):
-        base = mode_config(mode, args.new_tokens)
-        prefill_only = GenerationConfig(**{**base.__dict__, "max_new_tokens": 1})
-        # Warm-up: a short call; compiled modes run the full call once so that every compile
-        # (one per batch shape and attention bucket) happens outside the measurement.
-        warmup = prompts if base.compile_decode else prompts[: min(8, len(prompts))]
-        timed_generate(model, warmup, base if base.compile_decode else prefill_only, groups)
-        prefill_s = timed_generate(model, prompts, prefill_only, groups)
-        full_s = timed_generate(model, prompts, base, groups)
-        decode_s = max(full_s - prefill_s, 1e-9)
-        rate = args.prompts * (args.new_tokens - 1) / decode_s
-        results.append(BenchResult(mode, prefill_s, decode_s, rate, roofline))
+        try:
+            results.append(measure_mode(model, prompts, mode, args, groups, roofline))
+        except Exception as exc:  # one failing mode (e.g. a compile error) must not hide the others
+            print(f"mode {mode} failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
         if rank == 0:  # progress, in case a later mode runs past a time limit
-            print(f"measured {mode}: {rate:,.0f} decode tok/s ({rate / roofline:.1%} of roofline)", flush=True)
+            r = results[-1]
+            print(f"measured {mode}: {r.decode_tokens_per_s:,.0f} decode tok/s ({r.ratio:.1%} of roofline)", flush=True)
     if args.profile:
         profile_short_run(model, prompts, groups, args.modes.split(",")[-1])
     if port is not None:
         dist.destroy_process_group()
     return results
+
+
+def measure_mode(model: Transformer, prompts: list[torch.Tensor], mode: str, args: argparse.Namespace,
+                 groups: ParallelGroups | None, roofline: float) -> BenchResult:
+    """Warm up, then time a prefill-only call and a full call of one mode."""
+    base = mode_config(mode, args.new_tokens)
+    prefill_only = GenerationConfig(**{**base.__dict__, "max_new_tokens": 1})
+    # Warm-up: one full call, so that compiles (one per batch shape and attention bucket) and
+    # kernel autotuning happen outside the measurement; a call's own graph captures stay inside.
+    timed_generate(model, prompts, base, groups)
+    prefill_s = timed_generate(model, prompts, prefill_only, groups)
+    full_s = timed_generate(model, prompts, base, groups)
+    decode_s = max(full_s - prefill_s, 1e-9)
+    rate = args.prompts * (args.new_tokens - 1) / decode_s
+    return BenchResult(mode, prefill_s, decode_s, rate, roofline)
 
 
 def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
@@ -221,7 +234,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)) if args.cpu else 1)
     if args.cpu:
-        args.modes = "eager,eager+matmul"  # CUDA graphs need CUDA; compiling on CPU needs a C++ toolchain
+        args.modes = "eager+sdpa,eager+matmul"  # CUDA graphs need CUDA; compiling on CPU needs a C++ toolchain
     if args.tp == 1:
         print_table(args, run_rank(0, args, None))
         return

@@ -10,14 +10,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${OUT:-out}; mkdir -p "$out"
 nvidia-smi -L | tee "$out/gpus.txt"
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
-only=${ONLY:-engine,generate,realloc,ppo,profile}
-[[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py
-[[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py
-[[ $only == *generate* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 --modes graph
+only=${ONLY:-engine,generate,gentp2,realloc,ppo,profile}
+[[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py ${ENGINE_ARGS:-}
+[[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py ${GEN_ARGS:-}
+[[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}
 [[ $only == *realloc* ]] && run realloc python3 benchmarks/realloc_bench.py
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).
 [[ $only == *profile* ]] && run profile python3 -m app profile --out "$out/profile.json"
 # PPO on two H200s; Ray without its dashboard on this machine (cluster/resources.py honours it).
-[[ $only == *ppo* ]] && LIMIT=400 run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
-  run.iterations=5 tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run"
+[[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
+  run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run"
 exit 0

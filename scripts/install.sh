@@ -18,6 +18,12 @@ if ! python3 -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "$extra" = "test" ]; then
   python3 -m pip install -q -e ".[test]"
+  # Without a GPU the Triton kernels (actors/decode_attention.py, ...) are tested in Triton's
+  # interpreter, which needs triton >= 3.8 with numpy 2.x. With a GPU, torch's own pinned triton
+  # compiles them and is left alone.
+  if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then
+    python3 -m pip install -q "triton>=3.8"
+  fi
 else
   python3 -m pip install -q -e .
 fi

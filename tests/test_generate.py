@@ -344,7 +344,7 @@ def test_cuda_graph_decode_equals_eager_and_recaptures_after_weights_move() -> N
     graph = generate(model, prompts, GenerationConfig(8, greedy, use_cuda_graph=True))
     assert torch.equal(eager.tokens, graph.tokens)
     assert torch.allclose(eager.logprobs, graph.logprobs, atol=1e-5)
-    for options in ({"decode_attention": "matmul"}, {"compile_decode": True}):
+    for options in ({"decode_attention": "sdpa"}, {"decode_attention": "matmul"}, {"compile_decode": True}):
         other = generate(model, prompts, GenerationConfig(8, greedy, use_cuda_graph=True, **options))
         assert torch.equal(eager.tokens, other.tokens), options
         assert torch.allclose(eager.logprobs, other.logprobs, atol=1e-4), options

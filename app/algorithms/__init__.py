@@ -66,7 +66,7 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     s, p, b = cfg.sampling, cfg.ppo, cfg.batch
     rollout = RolloutSettings(max_new_tokens=b.gen_len, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               seed=cfg.run.seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              tokenizer=tokenizer, reward_fn=reward_fn)
+                              tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile)
     hp = PPOHyperparams(kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam, clip_eps=p.clip_eps,
                         value_clip=p.value_clip_eps, whiten=p.adv_norm, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
                         ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed)

@@ -62,6 +62,7 @@ class RolloutSettings:
     pad_token_id: int = 0
     tokenizer: str | None = None
     reward_fn: str | None = None
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
@@ -79,7 +80,8 @@ class RolloutSettings:
     def generate_params(self, greedy: bool = False) -> dict[str, Any]:
         return {"op": "generate", "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed, "greedy": greedy,
-                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer}
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
+                "compile": self.compile_decode}
 
     def reward_params(self, in_prefix: str = "", out_key: str = "rewards") -> dict[str, Any]:
         if self.reward_fn is None:
