@@ -2,12 +2,15 @@
 # All GPU benchmarks in one device call (two H200s). From the project root, after
 # `bash ../shared/gpu/prepare-wheels.sh` filled .whl/ here:
 #   run(command="bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2")
-# Each benchmark prints a table last; outputs land in $OUT (or ./out) as <name>.txt.
+# Each benchmark prints a table last; outputs (<name>.txt, profile.json, ppo-run/) are packed into
+# $OUT/results.tgz (./out without $OUT).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=${OUT:-out}; mkdir -p "$out"
+# Results are written to a scratch folder and packed into one archive at the end ($OUT/results.tgz):
+# the device call returns at most 8 files.
+final=${OUT:-out}; out=$(mktemp -d); mkdir -p "$final"
 nvidia-smi -L | tee "$out/gpus.txt"
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
 only=${ONLY:-engine,generate,gentp2,realloc,ppo,profile}
@@ -18,6 +21,9 @@ only=${ONLY:-engine,generate,gentp2,realloc,ppo,profile}
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).
 [[ $only == *profile* ]] && run profile python3 -m app profile --out "$out/profile.json"
 # PPO on two H200s; Ray without its dashboard on this machine (cluster/resources.py honours it).
+# With the profile just measured, the plan's per-call estimates use the measured efficiencies.
+profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/profile.json")
 [[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
-  run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run"
+  run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}"
+tar czf "$final/results.tgz" -C "$out" .
 exit 0

@@ -29,9 +29,10 @@ def logits_and_uniforms(n_rows: int, vocab: int, seed: int = 0) -> tuple[torch.T
 def test_greedy_matches_twin(vocab: int) -> None:
     logits, _ = logits_and_uniforms(6, vocab)
     logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie: the first maximum wins
-    tokens, logprobs = sample_rows(logits, 0.0, None, block=16)
+    logits[1, 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across chunks (when several)
+    tokens, logprobs = sample_rows(logits, 0.0, None, block=16, max_chunks=4)
     ref_tokens, ref_logprobs = sample_rows_reference(logits, 0.0, None)
-    assert torch.equal(tokens, ref_tokens) and tokens[0] == 3
+    assert torch.equal(tokens, ref_tokens) and tokens[0] == 3 and tokens[1] == 2
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
 
@@ -40,9 +41,10 @@ def test_greedy_matches_twin(vocab: int) -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_matches_twin(temperature: float) -> None:
     logits, uniforms = logits_and_uniforms(32, 100, seed=1)
-    tokens, logprobs = sample_rows(logits, temperature, uniforms, block=16)
     ref_tokens, ref_logprobs = sample_rows_reference(logits, temperature, uniforms)
-    assert torch.equal(tokens, ref_tokens)
+    for max_chunks in (1, 3, 16):  # one chunk per row, a ragged split, one chunk per block
+        tokens, logprobs = sample_rows(logits, temperature, uniforms, block=16, max_chunks=max_chunks)
+        assert torch.equal(tokens, ref_tokens), max_chunks
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
 
 
