@@ -7,25 +7,33 @@ this rank's shard), so it depends on no model code. Global rank == global GPU in
 How the bytes move (the same schedule is computed on every rank from the plan alone, so every
 rank walks it in the same order and nothing deadlocks):
 
-1. Local transfers (a slice that stays on its GPU) are copies into the fresh destination shard.
-2. Transfers with one receiver go point-to-point. They are grouped per link (src, dst), packed
+1. The destination shards are views of one flat buffer, allocated once per call; their order in
+   it follows the order this rank receives them, so most messages land straight in it. (The
+   buffer is freed once all its shards are dropped; clone a shard to give it its own storage.)
+2. Local transfers (a slice that stays on its GPU) are copies into the destination buffer,
+   issued once two point-to-point rounds are in flight.
+3. Transfers with one receiver go point-to-point. They are grouped per link (src, dst), packed
    into messages, and run in rounds (`actors/realloc_schedule.py`): round k posts the k-th
-   batch of every link at once with
-   `dist.batch_isend_irecv`, so opposite directions of a link and disjoint links run
-   concurrently. Two rounds are in flight (round k+1 is packed and posted before round k is
-   unpacked), and a round carries at most half a bucket per GPU however many peers it has.
-3. Transfers with several receivers (data-parallel replicas of the destination) are broadcast in
+   batch of every link at once with `dist.batch_isend_irecv`, so opposite directions of a link
+   and disjoint links run concurrently. Two rounds are in flight (round k+1 is packed and posted
+   before round k is unpacked), and a round stages at most half a bucket per GPU however many
+   peers it has.
+4. Transfers with several receivers (data-parallel replicas of the destination) are broadcast in
    the group (source + receivers), one message at a time, in plan order.
 
-A message is either one large slice sent straight from / received straight into the shard when
-that view is contiguous (no copy), or several slices packed into one flat buffer. Slices larger
-than the message limit are split along their dim 0 rows. Peak extra memory on a GPU: its fresh
-destination shard plus the staging buffers of two rounds (at most one bucket).
+A message is one large slice sent straight from the shard when that view is contiguous (and in
+the destination dtype), or several slices packed into a staging buffer (one `torch.cat` per
+trailing shape). It is received
+straight into the destination buffer when its slices lie there back to back, else into a
+staging buffer and unpacked. Slices larger than the message limit are split along their dim 0
+rows. Peak extra memory on a GPU: its fresh destination buffer plus the staging buffers of two
+rounds (at most one bucket).
 
 Host time is what bounds a reallocation of ~150 tensors on GPU, so everything that follows from
-the plan alone (schedule, this rank's messages, the narrows of every view, buffer offsets, byte
-counts) is compiled once per (plan object, rank, element size, bucket settings, source shapes)
-into a `RankProgram` and cached; a repeated reallocation only cuts views, copies and sends.
+the plan alone (schedule, this rank's messages, the destination layout, the slicing key of every
+view, buffer offsets, byte counts) is compiled once per (plan object, rank, element size, bucket
+settings, source names and shapes) into a `RankProgram` (`actors/realloc_program.py`) and cached;
+a repeated reallocation only cuts views, copies and sends (`actors/realloc_buffers.py`).
 
 `ReallocGroups` creates the broadcast groups once per member set, in the same order on every rank
 of the world, and reuses them across plans. Point-to-point messages use the world group, whose
@@ -36,17 +44,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from actors.realloc_schedule import (
-    DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, RankMessage, RankProgram, ViewSpec, build_schedule, compile_rank_program,
-)
-from planning.realloc_plan import ReallocPlan, Transfer
+from actors.realloc_buffers import Staging, copy_pairs, pack, unpack, write_runs
+from actors.realloc_program import RankMessage, RankProgram, compile_rank_program
+from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, build_schedule, source_offsets
+from planning.realloc_plan import ReallocPlan
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class ReallocStats:
     seconds: float = 0.0
     n_messages: int = 0  # point-to-point messages and broadcasts this rank took part in
     host_seconds: float = 0.0  # until the host had issued everything (seconds includes device work)
+    # Part of host_seconds spent inside torch.distributed calls (posting, waiting). On NCCL that is
+    # host work; on gloo it includes the transfer itself, so host - comm is the executor's own work.
+    comm_seconds: float = 0.0
 
     @property
     def total_sent(self) -> int:
@@ -139,58 +150,70 @@ def execute_reallocation(
     """Run `plan` on global rank `rank`; every rank of the source and destination meshes calls it.
 
     src_shards: this rank's shards under the source placement (empty when it is not in the source
-    mesh). Returns this rank's shards under the destination placement, freshly allocated in
-    `dtype` on `device` (empty when it is not in the destination mesh), and what it moved.
-    Inputs are checked before any byte moves; the source shards are left untouched. The planning
-    work is cached per (plan, rank, dtype size, bucket settings, source shapes): repeating a
-    reallocation only creates views, copies and sends.
+    mesh). Returns this rank's shards under the destination placement in `dtype` on `device`
+    (empty when it is not in the destination mesh), and what it moved. The shards returned are
+    views of one freshly allocated flat buffer, which lives as long as any of them does.
+    Inputs are checked before any byte moves; the source shards are left untouched (copied to
+    `device` first if they are on another device; cast to `dtype` on the way). The planning
+    work is cached per (plan, rank, dtype size, bucket settings, source names and shapes):
+    repeating a reallocation only creates views, copies and sends.
     """
-    device = torch.device(device)
-    element_bytes = dtype.itemsize
-    src_shapes = tuple((name, tuple(t.shape)) for name, t in src_shards.items())
-    program = _PROGRAMS.get(plan, rank, element_bytes, bucket_bytes, direct_min_bytes, src_shapes)
+    device = _resolve(torch.device(device))
+    program = _PROGRAMS.get(plan, rank, dtype.itemsize, bucket_bytes, direct_min_bytes, src_shards)
     for m in program.broadcasts:
         groups.get(m.group)  # fail before moving anything if a group is missing
+    src = list(src_shards.values())
+    if not all(t.device == device for t in src):
+        src = [t.to(device) for t in src]
     _synchronize(device)
     start = time.perf_counter()
-    out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in program.out_shapes}
-    ctx = _Context(src_shards, out, device, dtype)
-    n_messages = _run_p2p(program, ctx)
-    for m in program.broadcasts:
-        _run_broadcast(m, ctx, groups)
+    run = _Execution(program, src, device, dtype)  # the shards returned: outside inference mode
+    with torch.inference_mode():  # the views cut below are temporary: skip their autograd bookkeeping
+        n_messages = run.point_to_point()
+        for m in program.broadcasts:
+            run.broadcast(m, groups.get(m.group))
     host_seconds = time.perf_counter() - start
     _synchronize(device)
+    element_bytes = dtype.itemsize
     stats = ReallocStats({r: n * element_bytes for r, n in program.bytes_sent},
                          {r: n * element_bytes for r, n in program.bytes_received},
                          program.local_numel * element_bytes, time.perf_counter() - start,
-                         n_messages + len(program.broadcasts), host_seconds)
-    return out, stats
+                         n_messages + len(program.broadcasts), host_seconds, run.comm_seconds)
+    return dict(zip(program.out_names, run.outs)), stats
+
+
+_Entry = tuple[ReallocPlan, tuple[str, ...], tuple[torch.Size, ...], RankProgram]  # plan, source names, shapes
 
 
 class _ProgramCache:
     """Compiled rank programs of recently executed plans, most recent last.
 
-    Keyed by the plan's identity (plus rank, element size, bucket settings and source shapes)
-    rather than its value: hashing a plan of ~300 transfers costs more host time than the rest
-    of a small reallocation. Entries keep their plan alive, so an id is never reused while its
-    entry exists. An equal plan in a new object compiles once more, which is only slower.
+    Keyed by the plan's identity (plus rank, element size and bucket settings) rather than its
+    value: hashing a plan of ~300 transfers costs more host time than the rest of a small
+    reallocation. Each entry also holds the source names and shapes it was compiled for and is
+    recompiled when they change. Entries keep their plan alive, so an id is never reused while
+    its entry exists. An equal plan in a new object compiles once more, which is only slower.
     """
 
     def __init__(self, max_entries: int) -> None:
         self._max_entries = max_entries
-        self._entries: OrderedDict[tuple, tuple[ReallocPlan, RankProgram]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
 
     def get(self, plan: ReallocPlan, rank: int, element_bytes: int, bucket_bytes: int, direct_min_bytes: int,
-            src_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> RankProgram:
-        key = (id(plan), rank, element_bytes, bucket_bytes, direct_min_bytes, src_shapes)
+            src_shards: dict[str, torch.Tensor]) -> RankProgram:
+        key = (id(plan), rank, element_bytes, bucket_bytes, direct_min_bytes)
+        names = tuple(src_shards)
+        shapes = tuple([t.shape for t in src_shards.values()])
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is plan:
+        if entry is not None and entry[0] is plan and entry[1] == names and entry[2] == shapes:
             self._entries.move_to_end(key)
-            return entry[1]
-        shapes = dict(src_shapes)
+            return entry[3]
+        shape_of = {name: tuple(shape) for name, shape in zip(names, shapes)}
         schedule = build_schedule(plan, element_bytes, bucket_bytes, direct_min_bytes)
-        program = compile_rank_program(schedule, plan, rank, _source_offsets(plan, rank, shapes), shapes)
-        self._entries[key] = (plan, program)
+        offsets = source_offsets(plan, rank, shape_of)
+        program = compile_rank_program(schedule, plan, rank, offsets, shape_of, element_bytes)
+        self._entries[key] = (plan, names, shapes, program)
+        self._entries.move_to_end(key)
         if len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
         return program
@@ -199,197 +222,100 @@ class _ProgramCache:
 _PROGRAMS = _ProgramCache(max_entries=32)  # plain data, no process groups; per process
 
 
-@dataclass(frozen=True)
-class _Context:
-    """This rank's tensors in one execution: where views are cut from and written to."""
+class _Execution:
+    """One execution of a program: the flat destination buffer, its output views and the source
+    list (the source shards in src_shards order, then the pieces split from them)."""
 
-    src_shards: dict[str, torch.Tensor]
-    out: dict[str, torch.Tensor]
-    device: torch.device
-    dtype: torch.dtype
-
-    def views(self, m: RankMessage) -> list[torch.Tensor]:
-        """The message's segments inside the source shards (a send) or destination shards."""
-        return _views(self.src_shards if m.send else self.out, m.views)
+    def __init__(self, program: RankProgram, src: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        self.program = program
+        self.src = src
+        self.device = device
+        self.dtype = dtype
+        self.flat = torch.empty(program.flat_numel, dtype=dtype, device=device)
+        flat = self.flat
+        self.outs = [flat.as_strided(shape, stride, offset) for shape, stride, offset in program.out_views]
+        self.comm_seconds = 0.0
 
     def empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
-    def send_buffer(self, m: RankMessage, take: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        """The flat tensor to send: the shard view itself when possible, else a packed copy in
-        a buffer from `take(numel)`."""
-        views = self.views(m)
-        if len(views) == 1:
-            view = views[0]
-            if view.is_contiguous() and view.dtype == self.dtype and view.device == self.device:
-                return view.view(-1)
-        buf = take(m.numel)
-        _copy_many(_buffer_views(m, buf), views)
-        return buf
+    def local_copies(self) -> None:
+        write_runs(self.program.local_runs, self.flat, self.src)
+        copy_pairs(self.program.local_pairs, self.flat, self.outs, self.src)
 
-    def recv_buffer(self, m: RankMessage, take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """A flat tensor to receive into, and whether it is the destination view itself."""
-        if len(m.views) == 1:
-            view = self.views(m)[0]
-            if view.is_contiguous():
-                return view.view(-1), True
-        return take(m.numel), False
+    def point_to_point(self) -> int:
+        """Run the point-to-point rounds, two in flight: round k+1 is packed and posted before
+        round k is waited for and unpacked, so on CUDA packing and unpacking overlap the
+        transfers. The local copies are issued once two rounds are in flight, so on CUDA their
+        device time hides behind those transfers (issued after the first round only, they would
+        hold back the packing of the second). Returns the number of messages posted."""
+        program = self.program
+        src = self.src
+        for index, dim, sizes in program.splits:
+            src.extend(src[index].split_with_sizes(sizes, dim))
+        singles_sendable = all(src[i].dtype == self.dtype and src[i].is_contiguous() for i in program.single_sources)
+        staging = Staging(program.staging_half if singles_sendable else program.staging_half_all, self.empty)
+        in_flight: list[tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]] = []
+        local_after = min(1, len(program.p2p_rounds) - 1)
+        for k, messages in enumerate(program.p2p_rounds):
+            staging.next_round()
+            in_flight.append(self._post_round(messages, staging))
+            if k == local_after:
+                self.local_copies()
+            if len(in_flight) == 2:
+                self._finish_round(*in_flight.pop(0))
+        for works, to_unpack in in_flight:
+            self._finish_round(works, to_unpack)
+        if not program.p2p_rounds:
+            self.local_copies()
+        return sum(len(ms) for ms in program.p2p_rounds)
 
-    def unpack(self, m: RankMessage, buf: torch.Tensor) -> None:
-        _copy_many(self.views(m), _buffer_views(m, buf))
-
-
-class _Staging:
-    """Packing buffers of the point-to-point rounds: two halves of one flat tensor, one per round
-    in flight, carved in order within a round and reused two rounds later.
-
-    Stream order makes the reuse safe: round k+2 is packed (current stream) and posted (the NCCL
-    stream waits for the current one) only after round k was waited for and unpacked. Reusing
-    one buffer also keeps the caching allocator out of the loop: blocks NCCL used on its stream
-    are not free at once, so an allocation per message kept asking the driver for new memory.
-    """
-
-    def __init__(self, half: int, ctx: _Context) -> None:
-        self._half = half
-        self._ctx = ctx
-        self._buf = ctx.empty(2 * half) if half else None
-        self._round = -1
-        self._cursor = 0
-
-    def next_round(self) -> None:
-        self._round += 1
-        self._cursor = 0
-
-    def take(self, numel: int) -> torch.Tensor:
-        if self._buf is None or self._cursor + numel > self._half:
-            return self._ctx.empty(numel)  # a single row larger than a round's share
-        start = (self._round % 2) * self._half + self._cursor
-        self._cursor += numel
-        return self._buf.narrow(0, start, numel)
-
-
-def _views(tensors: dict[str, torch.Tensor], specs: tuple[ViewSpec, ...]) -> list[torch.Tensor]:
-    """Each spec's view of its tensor: the narrows were resolved ahead, so this is the only
-    per-segment host work besides the copy."""
-    out = []
-    for spec in specs:
-        view = tensors[spec.param]
-        for dim, start, length in spec.narrows:
-            view = view.narrow(dim, start, length)
-        out.append(view)
-    return out
-
-
-def _buffer_views(m: RankMessage, buf: torch.Tensor) -> list[torch.Tensor]:
-    """The segments of message `m` inside its flat buffer [m.numel], each in its own shape.
-    One as_strided per segment from precomputed offsets: cheaper than split + view."""
-    base = buf.storage_offset()
-    return [buf.as_strided(spec.shape, spec.packed_stride, base + offset) for spec, offset in zip(m.views, m.offsets)]
-
-
-def _copy_many(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i in fused multi-tensor calls (the ones torch.optim uses).
-
-    One launch per tensor costs tens of microseconds of host time; with ~150 tensors per model
-    that, not the link, bounded a reallocation on GPU. CUDA fuses a list only when every tensor
-    in it is dense (else it loops over the pairs), so the contiguous pairs (dim-0 slices, packed
-    buffers) go in one call and the strided ones (dim-1 slices) in another.
-    """
-    dense = [i for i, (d, s) in enumerate(zip(dst, src)) if d.is_contiguous() and s.is_contiguous()]
-    if len(dense) in (0, len(dst)):
-        if dst:
-            torch._foreach_copy_(dst, src)
-        return
-    dense_set = set(dense)
-    strided = [i for i in range(len(dst)) if i not in dense_set]
-    torch._foreach_copy_([dst[i] for i in dense], [src[i] for i in dense])
-    torch._foreach_copy_([dst[i] for i in strided], [src[i] for i in strided])
-
-
-def _run_p2p(program: RankProgram, ctx: _Context) -> int:
-    """Run the point-to-point rounds, two in flight: round k+1 is packed and posted before round
-    k is waited for and unpacked, so on CUDA packing and unpacking overlap the transfers. The
-    local copies run once the first round is in flight. Returns the number of messages posted."""
-    in_flight: list[tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]] = []
-    staging = _Staging(program.staging_half, ctx)
-    local_done = False
-    for messages in program.p2p_rounds:
-        staging.next_round()
-        in_flight.append(_post_round(messages, ctx, staging))
-        if not local_done:
-            _copy_many(_views(ctx.out, program.local_dst), _views(ctx.src_shards, program.local_src))
-            local_done = True
-        if len(in_flight) == 2:
-            _finish_round(*in_flight.pop(0), ctx)
-    for works, to_unpack in in_flight:
-        _finish_round(works, to_unpack, ctx)
-    if not local_done:
-        _copy_many(_views(ctx.out, program.local_dst), _views(ctx.src_shards, program.local_src))
-    return sum(len(ms) for ms in program.p2p_rounds)
-
-
-def _post_round(messages: tuple[RankMessage, ...], ctx: _Context,
-                staging: _Staging) -> tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]:
-    """Pack and post this rank's sends and receives of one round together (one NCCL group)."""
-    ops: list[dist.P2POp] = []
-    to_unpack: list[tuple[RankMessage, torch.Tensor]] = []
-    for m in messages:
-        if m.send:
-            ops.append(dist.P2POp(dist.isend, ctx.send_buffer(m, staging.take), m.peer))
-        else:
-            buf, direct = ctx.recv_buffer(m, staging.take)
-            ops.append(dist.P2POp(dist.irecv, buf, m.peer))
-            if not direct:
+    def _post_round(self, messages: tuple[RankMessage, ...],
+                    staging: Staging) -> tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]:
+        """Pack and post this rank's sends and receives of one round together (one NCCL group)."""
+        ops: list[dist.P2POp] = []
+        to_unpack: list[tuple[RankMessage, torch.Tensor]] = []
+        for m in messages:
+            if m.send:
+                ops.append(dist.P2POp(dist.isend, pack(m, self.src, self.dtype, staging.take), m.peer))
+            elif m.direct is not None:
+                ops.append(dist.P2POp(dist.irecv, self.flat[m.direct:m.direct + m.numel], m.peer))
+            else:
+                buf = staging.take(m.numel)
+                ops.append(dist.P2POp(dist.irecv, buf, m.peer))
                 to_unpack.append((m, buf))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return works, to_unpack
+        start = time.perf_counter()
+        works = dist.batch_isend_irecv(ops)
+        self.comm_seconds += time.perf_counter() - start
+        return works, to_unpack
+
+    def _finish_round(self, works: list[dist.Work], to_unpack: list[tuple[RankMessage, torch.Tensor]]) -> None:
+        """Wait for a posted round (on CUDA: make the current stream wait) and unpack its receives."""
+        start = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.comm_seconds += time.perf_counter() - start
+        for m, buf in to_unpack:
+            unpack(m, buf, self.flat)
+
+    def broadcast(self, m: RankMessage, group: ProcessGroup) -> None:
+        """Broadcast one message in its group (source first in `m.group`); this rank is in it."""
+        if m.send:
+            buf = pack(m, self.src, self.dtype, self.empty)
+        else:
+            buf = self.empty(m.numel) if m.direct is None else self.flat[m.direct:m.direct + m.numel]
+        start = time.perf_counter()
+        dist.broadcast(buf, src=m.group[0], group=group)
+        self.comm_seconds += time.perf_counter() - start
+        if not m.send and m.direct is None:
+            unpack(m, buf, self.flat)
 
 
-def _finish_round(works: list[dist.Work], to_unpack: list[tuple[RankMessage, torch.Tensor]], ctx: _Context) -> None:
-    """Wait for a posted round (on CUDA: make the current stream wait) and unpack its receives."""
-    for work in works:
-        work.wait()
-    for m, buf in to_unpack:
-        ctx.unpack(m, buf)
-
-
-def _run_broadcast(m: RankMessage, ctx: _Context, groups: ReallocGroups) -> None:
-    """Broadcast one message in its group (source first in `m.group`); this rank is in it."""
-    group = groups.get(m.group)
-    if m.send:
-        dist.broadcast(ctx.send_buffer(m, ctx.empty), src=m.group[0], group=group)
-        return
-    buf, direct = ctx.recv_buffer(m, ctx.empty)
-    dist.broadcast(buf, src=m.group[0], group=group)
-    if not direct:
-        ctx.unpack(m, buf)
-
-
-def _source_offsets(plan: ReallocPlan, rank: int, src_shapes: dict[str, tuple[int, ...]]) -> dict[Transfer, int]:
-    """Where each shard this rank sends from starts along the piece's dim, checking its shape.
-
-    A tp-split shard of size s along dim d starts at a multiple of s (tp_rank * s), and every
-    piece sent from it lies inside it, so the start follows from the piece and the shard shape.
-    """
-    offsets: dict[Transfer, int] = {}
-    for t in plan.transfers:
-        if t.src_gpu != rank:
-            continue
-        shape = src_shapes.get(t.param)
-        if shape is None:
-            raise ValueError(f"src_shards of rank {rank} lacks {t.param!r}, which the plan sends from it")
-        dim = t.piece.dim
-        others_match = all(s == f for i, (s, f) in enumerate(zip(shape, t.shape)) if i != dim)
-        if len(shape) != len(t.shape) or not others_match:
-            raise ValueError(f"src_shards[{t.param!r}] on rank {rank} has shape {shape}; the plan expects a slice of {t.shape}")
-        if dim is None or shape[dim] == t.shape[dim]:
-            offsets[t] = 0
-            continue
-        offset = (t.piece.start // shape[dim]) * shape[dim]
-        if t.piece.stop > offset + shape[dim]:
-            raise ValueError(f"src_shards[{t.param!r}] on rank {rank} (shape {shape}) cannot hold piece {t.piece}")
-        offsets[t] = offset
-    return offsets
+def _resolve(device: torch.device) -> torch.device:
+    """`device` with its index, so that it compares equal to a tensor's device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """The reallocation schedule: how the transfers of a plan are grouped into messages and rounds.
 
 A pure function of the plan (no torch), computed identically on every rank by the executor in
-`actors/realloc.py`:
+`actors/realloc.py` (`actors/realloc_program.py` then resolves it for one rank):
 
 - local transfers (a slice that stays on its GPU) become copies;
 - transfers with one receiver are grouped per link (src, dst) into messages and the messages into
@@ -11,7 +11,10 @@ A pure function of the plan (no torch), computed identically on every rank by th
 
 A message packs several slices into one flat buffer, or carries one large slice alone (sent
 without packing when its view is contiguous). Slices larger than a message are split along
-their dim 0 rows (`Segment`). `destination_slices` says what each rank holds afterwards.
+their dim 0 rows (`Segment`). Inside a message the segments lie in `buffer_order`: grouped by
+their trailing shape (each group is packed by one `torch.cat`), a slice continued from the
+previous message first and one continued in the next message last. `destination_slices` says
+what each rank holds afterwards, `source_offsets` where the shards it sends from start.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class Segment:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def rows(self) -> int:
+        """Rows (dim 0) of the whole piece this segment is cut from."""
+        return self.transfer.piece.shard_shape(self.transfer.shape)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +115,8 @@ def build_schedule(plan: ReallocPlan, element_bytes: int, bucket_bytes: int = DE
 
 def _pack_messages(src: int, receivers: tuple[int, ...], transfers: list[Transfer], limit: int,
                    direct_min: int) -> list[Message]:
-    """Messages of at most `limit` elements, in plan order; large slices alone, small ones packed."""
+    """Messages of at most `limit` elements, filled in plan order (segments in `buffer_order`);
+    large slices alone, small ones packed."""
     out: list[Message] = []
     pending: list[Segment] = []
     pending_numel = 0
@@ -117,13 +126,25 @@ def _pack_messages(src: int, receivers: tuple[int, ...], transfers: list[Transfe
                 out.append(Message(src, receivers, (seg,)))
                 continue
             if pending and pending_numel + seg.numel > limit:
-                out.append(Message(src, receivers, tuple(pending)))
+                out.append(Message(src, receivers, buffer_order(pending)))
                 pending, pending_numel = [], 0
             pending.append(seg)
             pending_numel += seg.numel
     if pending:
-        out.append(Message(src, receivers, tuple(pending)))
+        out.append(Message(src, receivers, buffer_order(pending)))
     return out
+
+
+def buffer_order(segments: list[Segment]) -> tuple[Segment, ...]:
+    """`segments` in the order they lie in a packed buffer: grouped by trailing shape (one
+    `torch.cat` along dim 0 writes each group), stable within a group. A segment continuing a
+    slice split across messages comes first and one that the next message continues comes last,
+    so a receiver that lays out its destination in this order receives both back to back."""
+    def key(seg: Segment) -> tuple[int, int, tuple[int, ...]]:
+        place = 0 if seg.row_start > 0 else 2 if seg.row_stop < seg.rows else 1
+        shape = seg.shape
+        return place, len(shape), shape[1:]
+    return tuple(sorted(segments, key=key))
 
 
 def _split_rows(t: Transfer, limit: int) -> list[Segment]:
@@ -170,131 +191,34 @@ def destination_slices(plan: ReallocPlan, rank: int) -> dict[str, tuple[tuple[in
     return out
 
 
+def source_offsets(plan: ReallocPlan, rank: int, src_shapes: dict[str, tuple[int, ...]]) -> dict[Transfer, int]:
+    """Where each shard this rank sends from starts along the piece's dim, checking its shape.
 
-
-# ---- this rank's program: the schedule resolved to view specs, computed once per plan ------------
-
-
-@dataclass(frozen=True, slots=True)
-class ViewSpec:
-    """How to cut one segment out of a shard: `narrows` (dim, start, length) applied in order
-    (no-op narrows dropped), giving a view of `shape`. `packed_stride` is the stride of that
-    shape stored contiguously, as it lies in a packed message buffer."""
-
-    param: str
-    narrows: tuple[tuple[int, int, int], ...]
-    shape: tuple[int, ...]
-    packed_stride: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class RankMessage:
-    """One message this rank sends (`send`) or receives, with its segments' views in order:
-    source-shard views for a send, destination-shard views for a receive. `offsets` is where
-    each segment starts inside the packed flat buffer [numel]."""
-
-    peer: int  # the receiver of a point-to-point send, else the message's source
-    send: bool
-    numel: int
-    views: tuple[ViewSpec, ...]
-    offsets: tuple[int, ...]
-    group: tuple[int, ...]  # broadcast members (source first); () for point-to-point
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """Everything `execute_reallocation` does on one rank, resolved from the plan ahead of time,
-    so that a repeated reallocation does no planning work: only views, copies and sends."""
-
-    out_shapes: tuple[tuple[str, tuple[int, ...]], ...]  # destination shards to allocate
-    local_dst: tuple[ViewSpec, ...]  # local copies: destination views ...
-    local_src: tuple[ViewSpec, ...]  # ... and the matching source views
-    p2p_rounds: tuple[tuple[RankMessage, ...], ...]  # only rounds where this rank has a message
-    broadcasts: tuple[RankMessage, ...]
-    staging_half: int  # elements of the largest round on this rank
-    bytes_sent: tuple[tuple[int, int], ...]  # (peer, elements)
-    bytes_received: tuple[tuple[int, int], ...]
-    local_numel: int
-
-
-def compile_rank_program(schedule: ReallocSchedule, plan: ReallocPlan, rank: int, src_offsets: dict[Transfer, int],
-                         src_shapes: dict[str, tuple[int, ...]]) -> RankProgram:
-    """Resolve `schedule` for `rank`. src_offsets: where each shard this rank sends from starts
-    along its piece's dim; src_shapes: those shards' shapes (the executor checks both)."""
-    dst_slices = destination_slices(plan, rank)
-    dst_offsets = {name: (slc.dim, slc.start) for name, (_, slc) in dst_slices.items()}
-
-    def view(seg: Segment, is_src: bool) -> ViewSpec:
-        t = seg.transfer
-        if is_src:
-            offset, shard_shape = src_offsets[t], src_shapes[t.param]
-        else:
-            dim, start = dst_offsets[t.param]
-            offset = start if dim is not None and dim == t.piece.dim else 0
-            shard_shape = dst_slices[t.param][1].shard_shape(t.shape)
-        return _view_spec(seg, offset, shard_shape)
-
-    sent: dict[int, int] = {}
-    received: dict[int, int] = {}
-
-    def resolve(m: Message, group: tuple[int, ...]) -> RankMessage | None:
-        if m.src == rank:
-            for r in m.receivers:
-                sent[r] = sent.get(r, 0) + m.numel
-            peer = m.receivers[0] if not group else m.src
-            return RankMessage(peer, True, m.numel, tuple(view(s, True) for s in m.segments), _offsets(m), group)
-        if rank in m.receivers:
-            received[m.src] = received.get(m.src, 0) + m.numel
-            return RankMessage(m.src, False, m.numel, tuple(view(s, False) for s in m.segments), _offsets(m), group)
-        return None
-
-    rounds = []
-    for messages in schedule.p2p_rounds:
-        mine = tuple(r for r in (resolve(m, ()) for m in messages) if r is not None)
-        if mine:
-            rounds.append(mine)
-    bcasts = tuple(r for r in (resolve(m, (m.src,) + m.receivers) for m in schedule.broadcasts) if r is not None)
-    local = [Segment(t, 0, t.piece.shard_shape(t.shape)[0]) for t in schedule.local if t.src_gpu == rank]
-    return RankProgram(
-        out_shapes=tuple((name, slc.shard_shape(shape)) for name, (shape, slc) in dst_slices.items()),
-        local_dst=tuple(view(s, False) for s in local), local_src=tuple(view(s, True) for s in local),
-        p2p_rounds=tuple(rounds), broadcasts=bcasts,
-        staging_half=max((sum(m.numel for m in ms) for ms in rounds), default=0),
-        bytes_sent=tuple(sent.items()), bytes_received=tuple(received.items()),
-        local_numel=sum(s.numel for s in local),
-    )
-
-
-def _view_spec(seg: Segment, offset: int, shard_shape: tuple[int, ...]) -> ViewSpec:
-    """The narrows that cut `seg` out of a shard of `shard_shape` that starts at `offset` along
-    the piece's dim. Narrows that would select everything are dropped: each costs host time."""
-    t = seg.transfer
-    piece = t.piece
-    piece_shape = piece.shard_shape(t.shape)
-    narrows: list[tuple[int, int, int]] = []
-    if piece.dim is not None:
-        length = piece.stop - piece.start
-        if not (piece.start == offset and shard_shape[piece.dim] == length):
-            narrows.append((piece.dim, piece.start - offset, length))
-    if seg.row_start != 0 or seg.row_stop != piece_shape[0]:
-        narrows.append((0, seg.row_start, seg.row_stop - seg.row_start))
-    shape = seg.shape
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
-    return ViewSpec(t.param, tuple(narrows), shape, tuple(stride))
-
-
-def _offsets(m: Message) -> tuple[int, ...]:
-    """Where each segment of `m` starts in its packed buffer (segments laid out in order)."""
-    out, at = [], 0
-    for seg in m.segments:
-        out.append(at)
-        at += seg.numel
-    return tuple(out)
+    A tp-split shard of size s along dim d starts at a multiple of s (tp_rank * s), and every
+    piece sent from it lies inside it, so the start follows from the piece and the shard shape.
+    """
+    offsets: dict[Transfer, int] = {}
+    for t in plan.transfers:
+        if t.src_gpu != rank:
+            continue
+        shape = src_shapes.get(t.param)
+        if shape is None:
+            raise ValueError(f"src_shards of rank {rank} lacks {t.param!r}, which the plan sends from it")
+        dim = t.piece.dim
+        others_match = all(s == f for i, (s, f) in enumerate(zip(shape, t.shape)) if i != dim)
+        if len(shape) != len(t.shape) or not others_match:
+            raise ValueError(f"src_shards[{t.param!r}] on rank {rank} has shape {shape}; the plan expects a slice of {t.shape}")
+        if dim is None or shape[dim] == t.shape[dim]:
+            offsets[t] = 0
+            continue
+        offset = (t.piece.start // shape[dim]) * shape[dim]
+        if t.piece.stop > offset + shape[dim]:
+            raise ValueError(f"src_shards[{t.param!r}] on rank {rank} (shape {shape}) cannot hold piece {t.piece}")
+        offsets[t] = offset
+    return offsets
 
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "Message", "RankMessage", "RankProgram", "ReallocSchedule", "Segment",
-    "ViewSpec", "build_schedule", "compile_rank_program", "destination_slices",
+    "DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "Message", "ReallocSchedule", "Segment", "buffer_order", "build_schedule",
+    "destination_slices", "source_offsets",
 ]

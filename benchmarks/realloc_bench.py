@@ -8,7 +8,10 @@ shaped model in bf16 with random weights built directly as shard dicts (no model
     (GPU0+1, tp2)    -> (GPU0+1, pp2)
     (GPU0, tp1)      -> (GPU1, tp1)      (a whole-model move over one link, for reference)
 
-For each: seconds (median over repetitions, slowest rank), bytes per link, effective bandwidth
+For each: seconds (median over repetitions, slowest rank), host seconds (until the host had
+issued everything) and work seconds (host seconds outside torch.distributed calls: on gloo the
+host waits for the transfer inside them, so `work` is the executor's own host time per call,
+the number `--cpu --tiny-dims` is for), bytes per link, effective bandwidth
 (bytes over the busiest link / seconds) against the measured NCCL broadcast peak, and the cost
 model's prediction (`realloc_time_s`, hardware preset h200-141g). A raw 1 GiB NCCL broadcast
 between the two GPUs is measured for reference. The first repetition of each case also checks
@@ -71,6 +74,7 @@ class CaseResult:
     seconds: float  # median over repetitions of the slowest rank
     best_seconds: float
     host_seconds: float  # median time for the slowest host to issue everything
+    work_seconds: float  # median of the slowest host's time outside torch.distributed calls
     call_seconds: float  # median wall time of the whole call on the slowest rank (incl. planning)
     bytes_per_link: dict[str, int]
     local_bytes: int
@@ -103,8 +107,9 @@ def _full_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> di
 
 def _time_case(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Tensor], groups: ReallocGroups,
                device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
-               reps: int) -> list[tuple[float, float, float]]:
-    """(seconds, host seconds, whole-call seconds) of each repetition, the slowest rank's."""
+               reps: int) -> list[tuple[float, float, float, float]]:
+    """(seconds, host seconds, whole-call seconds, work seconds) of each repetition, the slowest
+    rank's."""
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -113,9 +118,11 @@ def _time_case(plan: ReallocPlan, rank: int, src_shards: dict[str, torch.Tensor]
                                           int(args.direct_mib * 2**20))
         call_seconds = time.perf_counter() - call_start
         del out
-        slowest = torch.tensor([stats.seconds, stats.host_seconds, call_seconds], dtype=torch.float64, device=device)
+        slowest = torch.tensor([stats.seconds, stats.host_seconds, call_seconds, stats.host_seconds - stats.comm_seconds],
+                               dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append((float(slowest[0].item()), float(slowest[1].item()), float(slowest[2].item())))
+        seconds, host, call, work = (float(x) for x in slowest.tolist())
+        times.append((seconds, host, call, work))
     return times
 
 
@@ -134,7 +141,7 @@ def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: 
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     _time_case(plan, rank, src_shards, groups, device, dtype, args, args.warmup)
     timed = _time_case(plan, rank, src_shards, groups, device, dtype, args, args.reps)
-    times = [t for t, _, _ in timed]
+    times = [t[0] for t in timed]
     elem = torch.empty((), dtype=dtype).element_size()
     links = plan.bytes_per_link(elem)
     seconds = statistics.median(times)
@@ -142,8 +149,8 @@ def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: 
     gbps = busiest / seconds / 1e9 if busiest else 0.0
     cluster = ClusterSpec(1, GPN, hardware_preset("h200-141g"))
     return CaseResult(
-        case=name, seconds=seconds, best_seconds=min(times), host_seconds=statistics.median(h for _, h, _ in timed),
-        call_seconds=statistics.median(c for _, _, c in timed),
+        case=name, seconds=seconds, best_seconds=min(times), host_seconds=statistics.median(t[1] for t in timed),
+        work_seconds=statistics.median(t[3] for t in timed), call_seconds=statistics.median(t[2] for t in timed),
         bytes_per_link={f"{s}->{d}": b for (s, d), b in sorted(links.items())},
         local_bytes=plan.local_bytes(elem), effective_gbps=gbps, pct_of_peak=100 * gbps * 1e9 / PEAK_BCAST_BPS,
         predicted_seconds=realloc_time_s(plan, cluster, elem), exact=bool(flag.item() == 1.0),
@@ -197,12 +204,14 @@ def _report(results: list[CaseResult], raw_bps: float, spec: ModelSpec, args: ar
           f"bucket {args.bucket_mib} MiB, direct >= {args.direct_mib} MiB, {args.reps} reps after {args.warmup} warm-up")
     print(f"raw broadcast of {args.raw_mib} MiB g0->g1: {raw_bps / 1e9:.1f} GB/s "
           f"({100 * raw_bps / PEAK_BCAST_BPS:.0f}% of {PEAK_BCAST_BPS / 1e9:.0f} GB/s)")
-    header = f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'call':>9} {'pred(h200)':>10} {'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local"
+    header = (f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'work':>9} {'call':>9} {'pred(h200)':>10} "
+              f"{'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local")
     print(header)
     print("-" * len(header))
     for r in results:
         links = ", ".join(f"{k}: {_mb(v)}" for k, v in r.bytes_per_link.items()) or "none"
-        print(f"{r.case:<24} {r.seconds:>9.5f} {r.best_seconds:>9.5f} {r.host_seconds:>9.5f} {r.call_seconds:>9.5f} {r.predicted_seconds:>10.5f} "
+        print(f"{r.case:<24} {r.seconds:>9.5f} {r.best_seconds:>9.5f} {r.host_seconds:>9.5f} {r.work_seconds:>9.5f} "
+              f"{r.call_seconds:>9.5f} {r.predicted_seconds:>10.5f} "
               f"{r.effective_gbps:>7.1f} {r.pct_of_peak:>6.1f} {str(r.exact):>5}  {links} / local {_mb(r.local_bytes)}")
     if args.json:
         payload = {"mode": mode, "model": spec.name, "dtype": args.dtype, "bucket_mib": args.bucket_mib,

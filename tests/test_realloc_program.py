@@ -1,6 +1,8 @@
-"""The compiled, cached per-rank reallocation program (actors/realloc_schedule.py
-`compile_rank_program`, used by actors/realloc.py): its byte counts and views agree with the plan,
-and repeated executions of one plan object (cache hits) stay exact with fresh source tensors.
+"""The compiled, cached per-rank reallocation program (actors/realloc_program.py
+`compile_rank_program`, used by actors/realloc.py): its byte counts, buffers and views agree with
+the plan; the destination shards are views of one flat buffer, received straight into where the
+layout allows; repeated executions of one plan object reuse the program and stay exact with fresh
+source tensors, also for source shards that are non-contiguous, require grad or need a cast.
 """
 
 from __future__ import annotations
@@ -8,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import actors.realloc as realloc
 from actors.realloc import ReallocGroups, execute_reallocation
-from actors.realloc_schedule import RankProgram, build_schedule, compile_rank_program, destination_slices
+from actors.realloc_program import ALIGN_BYTES, RankMessage, RankProgram, compile_rank_program
+from actors.realloc_schedule import build_schedule, destination_slices, source_offsets
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec, param_specs
 from planning.plan import Placement
-from planning.realloc_plan import ReallocPlan, Transfer, plan_reallocation, rank_params
+from planning.realloc_plan import ReallocPlan, plan_reallocation, rank_params
 from tests.dist_harness import run_distributed
 
 GPN = 2
@@ -24,7 +28,8 @@ def _p(start: int, size: int, layout: str) -> Placement:
     return Placement(Mesh(start, size, GPN), Layout.parse(layout))
 
 
-PAIRS = [(_p(0, 1, "tp1"), _p(0, 2, "tp2")), (_p(0, 2, "tp2"), _p(0, 2, "pp2")), (_p(0, 2, "pp2"), _p(1, 1, "tp1"))]
+PAIRS = [(_p(0, 1, "tp1"), _p(0, 2, "tp2")), (_p(0, 2, "tp2"), _p(0, 2, "pp2")), (_p(0, 2, "pp2"), _p(1, 1, "tp1")),
+         (_p(0, 1, "tp1"), _p(1, 1, "tp1"))]
 
 
 def _full(seed: int) -> dict[str, torch.Tensor]:
@@ -43,18 +48,27 @@ def _shards(placement: Placement, gpu: int, full: dict[str, torch.Tensor]) -> di
 
 
 def _program(plan: ReallocPlan, src: Placement, rank: int, bucket_bytes: int) -> RankProgram:
-    full = _full(0)
-    shards = _shards(src, rank, full)
-    shapes = {k: tuple(v.shape) for k, v in shards.items()}
-    # Source shards of these layouts start at piece.start rounded down to a shard's extent.
-    offsets: dict[Transfer, int] = {}
-    for t in plan.transfers:
-        if t.src_gpu == rank:
-            dim = t.piece.dim
-            extent = None if dim is None else shapes[t.param][dim]
-            offsets[t] = 0 if dim is None else (t.piece.start // extent) * extent
+    shapes = {k: tuple(v.shape) for k, v in _shards(src, rank, _full(0)).items()}
     schedule = build_schedule(plan, 4, bucket_bytes, 64)
-    return compile_rank_program(schedule, plan, rank, offsets, shapes)
+    return compile_rank_program(schedule, plan, rank, source_offsets(plan, rank, shapes), shapes, 4)
+
+
+def _check_message(m: RankMessage, flat_numel: int) -> None:
+    assert sum(m.sizes) == m.numel and all(n > 0 for n in m.sizes)
+    if m.send:
+        # Cat runs write the segments back to back, covering the buffer exactly once.
+        assert [r.offset for r in m.runs] == [sum(r.numel for r in m.runs[:i]) for i in range(len(m.runs))]
+        assert sum(r.numel for r in m.runs) == m.numel and sum(len(r.sources) for r in m.runs) == len(m.sizes)
+        for r in m.runs:
+            assert torch.empty(r.shape).stride() == r.stride
+            assert all(length > 0 for v in r.sources for _, _, length in v.narrows)
+    elif m.direct is not None:
+        assert 0 <= m.direct and m.direct + m.numel <= flat_numel and not (m.dense or m.strided)
+    else:  # unpacked: every segment exactly once, inside the flat buffer
+        assert sorted(k for k, _ in m.dense + m.strided) == list(range(len(m.sizes)))
+        for k, v in m.dense + m.strided:
+            assert torch.Size(v.shape).numel() == m.sizes[k] and v.offset >= 0
+            assert v.offset + sum((s - 1) * st for s, st in zip(v.shape, v.stride)) < flat_numel
 
 
 @pytest.mark.unit
@@ -69,26 +83,89 @@ def test_program_bytes_and_buffers_agree_with_plan(pair: int, bucket_bytes: int)
         assert {(rank, r): n * 4 for r, n in program.bytes_sent} == {k: v for k, v in links.items() if k[0] == rank}
         assert {(s, rank): n * 4 for s, n in program.bytes_received} == {k: v for k, v in links.items() if k[1] == rank}
         assert program.local_numel * 4 == sum(t.numel * 4 for t in plan.transfers if t.is_local and t.src_gpu == rank)
-        assert dict(program.out_shapes) == {n: s.shard_shape(shape) for n, (shape, s) in destination_slices(plan, rank).items()}
+        held = destination_slices(plan, rank)
+        assert dict(program.out_shapes) == {n: s.shard_shape(shape) for n, (shape, s) in held.items()}
+        # The destination shards tile the flat buffer in order, aligned, without overlapping.
+        end = 0
+        for shape, stride, offset in program.out_views:
+            assert offset >= end and offset % (ALIGN_BYTES // 4) == 0 and torch.empty(shape).stride() == stride
+            end = offset + torch.Size(shape).numel()
+        assert end == program.flat_numel
         for messages in program.p2p_rounds:
-            assert sum(m.numel for m in messages) <= program.staging_half
+            assert sum(m.numel for m in messages if m.staged) <= program.staging_half <= program.staging_half_all
             for m in messages:
-                # Segments lie back to back in the packed buffer, in order.
-                sizes = [torch.Size(v.shape).numel() for v in m.views]
-                assert list(m.offsets) == [sum(sizes[:i]) for i in range(len(sizes))] and sum(sizes) == m.numel
-                for v in m.views:
-                    assert torch.empty(v.shape).stride() == v.packed_stride
-                    assert all(length > 0 for _, _, length in v.narrows)
+                _check_message(m, program.flat_numel)
+        for m in program.broadcasts:
+            _check_message(m, program.flat_numel)
 
 
 @pytest.mark.unit
-def test_whole_tensor_views_have_no_narrows() -> None:
-    # tp1 -> tp1 on another GPU moves whole tensors: no view needs a narrow on either side.
+def test_whole_tensors_need_no_views_and_land_in_place() -> None:
+    # tp1 -> tp1 on another GPU moves whole tensors: no view needs a narrow (unless a tiny bucket
+    # splits them into rows), and every message is received straight into the destination buffer
+    # (nothing to stage or unpack), row-split tensors included.
     plan = plan_reallocation(SPEC, False, _p(0, 1, "tp1"), _p(1, 1, "tp1"))
-    for rank in range(GPN):
-        program = _program(plan, _p(0, 1, "tp1"), rank, 256 * 1024**2)
-        views = [v for ms in program.p2p_rounds for m in ms for v in m.views]
-        assert views and all(v.narrows == () for v in views)
+    for bucket_bytes in (512, 256 * 1024**2):
+        sender, receiver = (_program(plan, _p(0, 1, "tp1"), rank, bucket_bytes) for rank in (0, 1))
+        views = [v for ms in sender.p2p_rounds for m in ms for r in m.runs for v in r.sources]
+        assert views and all(v.narrows == () and v.key is None for v in views) == (bucket_bytes > 512)
+        received = [m for ms in receiver.p2p_rounds for m in ms]
+        assert received and all(m.direct is not None for m in received) and receiver.staging_half == 0
+
+
+@pytest.mark.unit
+def test_split_source_shards_are_cut_once() -> None:
+    # tp1 -> tp2 on GPU 0: every split parameter is cut in two (one half kept, one sent) by one
+    # split per call; the views then need no narrows.
+    plan = plan_reallocation(SPEC, False, _p(0, 1, "tp1"), _p(0, 2, "tp2"))
+    program = _program(plan, _p(0, 1, "tp1"), 0, 256 * 1024**2)
+    split_params = {t.param for t in plan.transfers if t.piece.dim is not None}
+    assert len(program.splits) == len(split_params) and all(len(sizes) == 2 for _, _, sizes in program.splits)
+    views = [v for r in program.local_runs for v in r.sources] + [v for p in program.local_pairs for v in p.src]
+    views += [v for ms in program.p2p_rounds for m in ms for r in m.runs for v in r.sources]
+    assert views and all(v.narrows == () for v in views)
+
+
+@pytest.mark.unit
+def test_outputs_are_views_of_one_buffer_and_programs_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dp2 -> tp1 on GPU 1 is all local: runs in one process without a process group.
+    plan = plan_reallocation(SPEC, False, _p(0, 2, "dp2"), _p(1, 1, "tp1"))
+    compiled: list[RankProgram] = []
+    original = realloc.compile_rank_program
+
+    def counting(*args: object) -> RankProgram:
+        compiled.append(original(*args))  # type: ignore[arg-type]
+        return compiled[-1]
+
+    monkeypatch.setattr(realloc, "compile_rank_program", counting)
+    for seed in (1, 2, 3):
+        full = _full(seed)
+        out, _ = execute_reallocation(plan, 1, _shards(_p(0, 2, "dp2"), 1, full), ReallocGroups(), "cpu", torch.float32)
+        assert sorted(out) == sorted(full) and all(torch.equal(out[k], v) for k, v in full.items())
+        assert len({t.untyped_storage().data_ptr() for t in out.values()}) == 1
+        assert all(t.is_contiguous() and not t.requires_grad and not t.is_inference() for t in out.values())
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in out.values())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two shards overlap
+        out["model.norm.weight"].add_(1.0)  # the shards are ordinary tensors, writable in place
+    assert len(compiled) == 1  # the second and third calls reused the compiled program
+    # The same shards in another order (views index them by position) compile anew, still exact.
+    full = _full(4)
+    reordered = dict(reversed(list(_shards(_p(0, 2, "dp2"), 1, full).items())))
+    out, _ = execute_reallocation(plan, 1, reordered, ReallocGroups(), "cpu", torch.float32)
+    assert len(compiled) == 2 and all(torch.equal(out[k], v) for k, v in full.items())
+    # Other source shapes are checked against the plan before anything moves.
+    wrong = {k: v[:, :4] if v.dim() == 2 else v for k, v in reordered.items()}
+    with pytest.raises(ValueError, match="has shape"):
+        execute_reallocation(plan, 1, wrong, ReallocGroups(), "cpu", torch.float32)
+
+
+def _sources(kind: str, src: Placement, rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    shards = _shards(src, rank, full)
+    if kind == "strided":  # same values, non-contiguous storage (transposed copies)
+        return {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in shards.items()}
+    if kind == "grad":
+        return {k: torch.nn.Parameter(v) for k, v in shards.items()}
+    return shards
 
 
 def _repeat(rank: int, world_size: int) -> int:
@@ -98,6 +175,7 @@ def _repeat(rank: int, world_size: int) -> int:
     checked = 0
     for src, dst in PAIRS:
         plan = plan_reallocation(SPEC, False, src, dst)
+        links = plan.bytes_per_link(dtype_bytes=4)
         for bucket_bytes in (512, 256 * 1024**2):
             for seed in (1, 2, 3):  # the 2nd and 3rd calls reuse the cached program
                 full = _full(seed)
@@ -107,9 +185,16 @@ def _repeat(rank: int, world_size: int) -> int:
                 assert sorted(out) == sorted(expected), (src, dst, rank)
                 for name, tensor in expected.items():
                     assert torch.equal(out[name], tensor), (src, dst, bucket_bytes, seed, rank, name)
-                links = plan.bytes_per_link(dtype_bytes=4)
                 assert stats.total_sent == sum(v for (s, _), v in links.items() if s == rank)
                 checked += len(expected)
+            for kind in ("strided", "grad", "cast"):
+                full = _full(7)
+                dtype = torch.bfloat16 if kind == "cast" else torch.float32
+                out, _ = execute_reallocation(plan, rank, _sources(kind, src, rank, full), groups, "cpu", dtype,
+                                              bucket_bytes, 64)
+                for name, tensor in _shards(dst, rank, full).items():
+                    assert torch.equal(out[name], tensor.to(dtype)), (kind, src, dst, bucket_bytes, rank, name)
+                    assert not out[name].requires_grad
     return checked
 
 
