@@ -188,6 +188,11 @@ class KVCache:
         param = next(model.parameters())
         return KVCache(layers, n_seqs, max_len, dtype or param.dtype, device or param.device)
 
+    def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
+        """Concatenated [q; k; v] (weight, bias) for decode steps of `layer`, or None (the model
+        then runs its three projections). This cache keeps none."""
+        return None
+
     def reset(self) -> None:
         """Forget all cached tokens (buffers are kept, so CUDA graphs stay valid)."""
         self.lengths.zero_()

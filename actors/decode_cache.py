@@ -54,6 +54,51 @@ def resolve_decode_kernel(kernel: str, device: torch.device | str) -> str:
 
 
 
+class FusedQKV:
+    """The [q; k; v] projection weights (and biases) of every attention layer of `model`,
+    concatenated once per generation call so that a decode step runs one GEMM per layer instead
+    of three. Shared by the caches of one call (pipeline micro-batch slots); `refresh` rebuilds
+    them only when the projections' storage moved (reallocation), so graphs that read them stay
+    valid otherwise. Costs the bytes of those weights for the call (`nbytes`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.key: tuple[int, ...] = ()
+        self.weights: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.refresh()
+
+    @staticmethod
+    def projections(model: nn.Module) -> dict[int, tuple[nn.Module, nn.Module, nn.Module]]:
+        """(q, k, v) projections per layer; layers whose projections gather their output are left out."""
+        out = {}
+        for idx, layer in model.model.layers.items():
+            attn = layer.self_attn
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            if not any(getattr(p, "gather_output", False) for p in projs):
+                out[int(idx)] = projs
+        return out
+
+    @staticmethod
+    def nbytes(model: nn.Module) -> int:
+        """Bytes the concatenated weights and biases take."""
+        return sum(p.numel() * p.element_size() for projs in FusedQKV.projections(model).values()
+                   for proj in projs for p in proj.parameters())
+
+    def refresh(self) -> bool:
+        """Rebuild when a projection's storage moved; returns whether it rebuilt."""
+        projections = self.projections(self.model)
+        key = tuple(p.data_ptr() for projs in projections.values() for proj in projs for p in proj.parameters())
+        if key == self.key:
+            return False
+        self.weights.clear()  # free the old copies before making new ones
+        with torch.no_grad():
+            for idx, (q, k, v) in projections.items():
+                bias = torch.cat([q.bias, k.bias, v.bias]) if q.bias is not None else None
+                self.weights[idx] = (torch.cat([q.weight, k.weight, v.weight]), bias)
+        self.key = key
+        return True
+
+
 class HeadMajorKVCache(KVCache):
     """k[layer], v[layer]: [n_seqs, n_kv_local, max_len, head_dim]; lengths int64 [n_seqs]."""
 
@@ -75,6 +120,7 @@ class HeadMajorKVCache(KVCache):
         # current decode step, keyed by (dtype, sliding_window): every layer of a step shares
         # one; `advance` (end of each forward) and `reset` drop them.
         self.step_masks: dict[tuple[torch.dtype, int | None], Tensor] = {}
+        self.qkv: FusedQKV | None = None  # set by the generation call that owns this cache
 
     @staticmethod
     def for_model(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype | None = None,
@@ -84,6 +130,9 @@ class HeadMajorKVCache(KVCache):
                   for idx, layer in model.model.layers.items()}
         param = next(model.parameters())
         return HeadMajorKVCache(layers, n_seqs, max_len, dtype or param.dtype, device or param.device, kernel)
+
+    def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
+        return self.qkv.weights.get(layer) if self.qkv is not None else None
 
     def set_attend_len(self, attend_len: int) -> None:
         """Attend over slots [0, attend_len) in decode; must cover every length + 1."""
@@ -170,4 +219,4 @@ class HeadMajorKVCache(KVCache):
         return out.reshape(n_seqs, n_q, head_dim)
 
 
-__all__ = ["DECODE_KERNELS", "HeadMajorKVCache", "resolve_decode_kernel"]
+__all__ = ["DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "resolve_decode_kernel"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from actors.decode_cache import DECODE_KERNELS, HeadMajorKVCache
+from actors.decode_cache import DECODE_KERNELS, FusedQKV, HeadMajorKVCache
 from actors.distributed import ParallelGroups
 from actors.packing import PackedBatch, pack_sequences
 from actors.sampling import SampledTokens, SamplingParams, sample_tensor_parallel, step_uniforms
@@ -49,6 +49,8 @@ class GenerationConfig:
     "matmul" (actors/decode_cache.py).
     compile_decode: run the decode step through torch.compile (fuses the many small
     elementwise kernels of a step; compiles once per call and attention bucket shape).
+    fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
+    per call, `actors.decode_cache.FusedQKV`; costs those weights' bytes for the call).
     """
 
     max_new_tokens: int
@@ -63,6 +65,7 @@ class GenerationConfig:
     attend_bucket: int = 128
     decode_attention: str = "auto"
     compile_decode: bool = False
+    fuse_qkv: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -278,9 +281,13 @@ class DecodeStep:
         attend_len: cache slots decode attention reads (default: all)."""
         self.cache.set_attend_len(attend_len or self.cache.max_len)
         if not self.use_cuda_graph:
+            if self.cache.qkv is not None:
+                self.cache.qkv.refresh()  # weights moved since the last step: re-concatenate
             return self.forward(x, self.batch, self.cache)
         if parameter_key(self.model) != self.key:
             self.invalidate()
+            if self.cache.qkv is not None:
+                self.cache.qkv.refresh()
             self.key = parameter_key(self.model)
         if self.cache.attend_len not in self.graphs:
             self.graphs[self.cache.attend_len] = self.capture()
@@ -318,8 +325,9 @@ def attend_length(max_prompt: int, n_generated: int, config: GenerationConfig, m
 
 
 def prepare_cache(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
-                  device: torch.device) -> tuple[Tensor, PackedBatch, HeadMajorKVCache]:
-    """Pack the prompts, check memory, allocate the cache (n_seqs x (max_prompt + max_new))."""
+                  device: torch.device, count_fused: bool = True) -> tuple[Tensor, PackedBatch, HeadMajorKVCache]:
+    """Pack the prompts, check memory, allocate the cache (n_seqs x (max_prompt + max_new)).
+    count_fused: include the call's fused [q; k; v] weights (once per call) in the check."""
     if not prompts:
         raise ValueError("prompts: empty; need at least one prompt")
     empty = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.numel() == 0]
@@ -329,6 +337,8 @@ def prepare_cache(model: nn.Module, prompts: list[Tensor], config: GenerationCon
     max_len = batch.max_seqlen + config.max_new_tokens
     param = next(model.parameters())
     needed = {"kv_cache": kv_cache_bytes(model, len(prompts), max_len, param.dtype)}
+    if config.fuse_qkv and count_fused:
+        needed["fused_qkv"] = FusedQKV.nbytes(model)
     if getattr(model, "has_head", True):
         vocab_local = local_vocab(model)
         needed["logits"] = logits_bytes(batch.n_tokens, len(prompts), vocab_local, model.spec.vocab_size,
@@ -355,6 +365,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     prompt_tokens, batch, cache = prepare_cache(model, prompts, config, device)
     recorder = ResponseRecorder(len(prompts), config, device)
     logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
+    cache.qkv = FusedQKV(model) if config.fuse_qkv else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     for step in range(config.max_new_tokens):
         uniforms = None if config.sampling.greedy else step_uniforms(config.seed, step, len(prompts), device)

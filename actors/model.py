@@ -113,19 +113,31 @@ class Attention(nn.Module):
         global_q = self.q_head_offset + torch.arange(self.n_heads, device=device)
         return global_q // self.kv_group
 
+    def rotated_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H], rotary applied to q and k."""
+        T, n_q, n_kv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        decoding = kv_cache is not None and kv_cache.prefilled
+        fused = kv_cache.fused_qkv(self.layer_idx) if decoding else None
+        if fused is not None:
+            # Decode with the cache's concatenated [q; k; v] weight: one GEMM instead of three
+            # (M = batch rows is small, so each projection alone is latency-bound).
+            qkv = F.linear(x, *fused).view(T, n_q + 2 * n_kv, d)
+            qk, v = apply_rotary(qkv[:, : n_q + n_kv], cos, sin), qkv[:, n_q + n_kv :]
+            return qk[:, :n_q], qk[:, n_q:], v
+        q = self.q_proj(x).view(T, n_q, d)
+        k = self.k_proj(x).view(T, n_kv, d)
+        v = self.v_proj(x).view(T, n_kv, d)
+        if not decoding:
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        # Decode: rotate q and k as one [B, Hq + Hkv, D] tensor, one set of elementwise kernels
+        # instead of two (a decode step is launch-bound); q and k are views of it.
+        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+        return qk[:, :n_q], qk[:, n_q:], v
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kv_cache: KVCache | None) -> Tensor:
         """x [T, H] -> [T, H]; cos/sin [T, head_dim]."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        if kv_cache is not None and kv_cache.prefilled:
-            # Decode: rotate q and k as one [B, Hq + Hkv, D] tensor, one set of elementwise
-            # kernels instead of two (a decode step is launch-bound); q and k are views of it.
-            qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin, kv_cache)
         kv_index = self.kv_index(x.device)
         if kv_cache is None:
             out = packed_attention(q, k, v, batch, self.backend, self.sliding_window, kv_index)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from actors.decode_cache import HeadMajorKVCache
+from actors.decode_cache import FusedQKV, HeadMajorKVCache
 from actors.distributed import ParallelGroups
 from actors.generate import (
     DecodeStep,
@@ -96,8 +96,9 @@ class PipelineMessenger:
 def _build_slots(model: nn.Module, prompts: list[Tensor], config: GenerationConfig, n_parts: int,
                  device: torch.device) -> list[MicroBatchSlot]:
     slots = []
-    for part in split_rows(len(prompts), n_parts):
-        tokens, batch, cache = prepare_cache(model, [prompts[i] for i in part], config, device)
+    for slot_index, part in enumerate(split_rows(len(prompts), n_parts)):
+        tokens, batch, cache = prepare_cache(model, [prompts[i] for i in part], config, device,
+                                             count_fused=slot_index == 0)
         rows = torch.tensor(list(part), dtype=torch.int64, device=device)
         slots.append(MicroBatchSlot(rows, tokens, batch, cache))
     return slots
@@ -148,6 +149,9 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     param = next(model.parameters())
     device = param.device
     slots = _build_slots(model, prompts, config, config.pp_micro_batches or groups.layout.pp, device)
+    fused = FusedQKV(model) if config.fuse_qkv else None  # one copy shared by every slot's cache
+    for slot in slots:
+        slot.cache.qkv = fused
     decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode) for slot in slots]
     messenger = PipelineMessenger(groups, model.spec.hidden_size, param.dtype, device)
     recorder = ResponseRecorder(len(prompts), config, device)

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from planning.realloc_plan import ReallocPlan, ShardSlice, Transfer
 
 MiB = 1024**2
-DEFAULT_BUCKET_BYTES = 256 * MiB
+# Staging per round is at most half a bucket and never more than the round's staged messages
+# need. Fewer, larger rounds measured faster on two H200s (tp1 -> tp2 of a 1B model: 63-66% of
+# the link at 256 MiB, 68-80% at 1-1.5 GiB; docs/benchmarks.md).
+DEFAULT_BUCKET_BYTES = 1536 * MiB
 # Slices at least this large travel as their own message, so contiguous ones need no packing.
 # Each message costs tens of microseconds of host time; below this size packing is cheaper.
 DIRECT_MIN_BYTES = 64 * MiB

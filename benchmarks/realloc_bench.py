@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.distributed import free_port  # noqa: E402
 from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation  # noqa: E402
+from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, MiB  # noqa: E402
 from planning.hardware import hardware_preset  # noqa: E402
 from planning.layout import ClusterSpec, Layout, Mesh  # noqa: E402
 from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
@@ -239,8 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up repetitions (default 3; 1 with --cpu)")
     parser.add_argument("--tiny-dims", action="store_true",
                         help="keep the preset's tensors but shrink their sizes: measures host time per tensor")
-    parser.add_argument("--bucket-mib", type=int, default=256)
-    parser.add_argument("--direct-mib", type=float, default=64.0,
+    parser.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES // MiB)
+    parser.add_argument("--direct-mib", type=float, default=DIRECT_MIN_BYTES / MiB,
                         help="slices at least this large are sent without packing when contiguous")
     parser.add_argument("--raw-mib", type=int, default=None, help="raw broadcast size (default 1024; 16 with --cpu)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")

@@ -18,6 +18,8 @@ only=${ONLY:-engine,generate,gentp2,realloc,ppo,profile}
 [[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py ${GEN_ARGS:-}
 [[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}
 [[ $only == *realloc* ]] && run realloc python3 benchmarks/realloc_bench.py
+# Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--bucket-mib 1024".
+[[ $only == *realloc* && -n ${REALLOC_ARGS:-} ]] && run realloc_b python3 benchmarks/realloc_bench.py $REALLOC_ARGS
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).
 [[ $only == *profile* ]] && run profile python3 -m app profile --out "$out/profile.json"
 # PPO on two H200s; Ray without its dashboard on this machine (cluster/resources.py honours it).

@@ -195,7 +195,7 @@ def test_memory_check_fails_before_allocating() -> None:
     model = ours_from_hf(build_hf("Llama"))
     prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)
     config = GenerationConfig(max_new_tokens=4, memory_limit_bytes=1000)
-    with pytest.raises(MemoryError, match=r"generation needs [\d,]+ bytes \(kv_cache [\d,]+, logits [\d,]+\) but 1,000"):
+    with pytest.raises(MemoryError, match=r"generation needs [\d,]+ bytes \(kv_cache [\d,]+, fused_qkv [\d,]+, logits [\d,]+\) but 1,000"):
         generate(model, prompts, config)
     with pytest.raises(ValueError, match="prompts"):
         generate(model, [torch.tensor([], dtype=torch.long)], config)
@@ -362,3 +362,32 @@ def test_cuda_graph_decode_equals_eager_and_recaptures_after_weights_move() -> N
         second = step(next_tokens).clone()
     assert step.key != first_key
     assert torch.allclose(second, 2 * first, atol=1e-4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])  # Qwen2: q/k/v biases are concatenated too
+def test_fused_qkv_decode_equals_separate_projections(family: str) -> None:
+    model = ours_from_hf(build_hf(family))
+    prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)
+    greedy = SamplingParams(temperature=0.0)
+    fused = generate(model, prompts, GenerationConfig(6, greedy, fuse_qkv=True))
+    separate = generate(model, prompts, GenerationConfig(6, greedy, fuse_qkv=False))
+    assert torch.equal(fused.tokens, separate.tokens)
+    torch.testing.assert_close(fused.logprobs, separate.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_fused_qkv_rebuilds_only_when_weights_move() -> None:
+    from actors.decode_cache import FusedQKV
+
+    model = ours_from_hf(build_hf("Llama"))
+    fused = FusedQKV(model)
+    attn = model.model.layers["0"].self_attn
+    weight, _ = fused.weights[0]
+    assert torch.equal(weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert not fused.refresh() and fused.weights[0][0] is weight
+    attn.k_proj.weight.data = attn.k_proj.weight.data * 2  # new storage, as reallocation gives
+    assert fused.refresh()
+    torch.testing.assert_close(fused.weights[0][0][attn.q_proj.weight.shape[0]:][: attn.k_proj.weight.shape[0]],
+                               attn.k_proj.weight.detach())
+    assert FusedQKV.nbytes(model) == sum(w.numel() * w.element_size() for w, _ in fused.weights.values())
