@@ -9,7 +9,8 @@ Parts:
   a  PPO, 7B actor + 7B critic, 1x8 h100-80g: exhaustive optimum vs MCMC (10 s budget) on the
      same candidate space; target: within 2%.
   b  PPO, 70B actor + 7B critic, 16x8 h100-80g: MCMC for 60 s vs the symmetric baseline;
-     target: >= 1.3x.
+     target: >= 1.3x. --hardware / --profile / --seconds vary the cluster, feed a measured
+     profile and set the budget.
   c  PPO, 70B actor + 7B critic, 128x8 h100-80g: MCMC for 300 s; when the best plan stopped
      improving, and a plot of best estimated iteration time vs search time (--plot).
   d  plan evaluations per second (warm caches, no memoisation) on the PPO graphs of a and b;
@@ -20,6 +21,7 @@ The last thing printed is a table of the measured numbers.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planning.candidates import CandidateOptions, call_candidates, feasible_classes  # noqa: E402
 from planning.cost import PlanningProblem, rlhf_problem  # noqa: E402
+from planning.cost_terms import OpEfficiency  # noqa: E402
 from planning.dataflow import BatchShape, ppo_graph  # noqa: E402
 from planning.hardware import hardware_preset  # noqa: E402
 from planning.layout import ClusterSpec  # noqa: E402
@@ -49,9 +52,18 @@ class Row:
     met: bool | None
 
 
-def ppo_problem(nodes: int, actor: str, critic: str, batch: BatchShape) -> PlanningProblem:
-    cluster = ClusterSpec(nodes, 8, hardware_preset("h100-80g"))
-    return rlhf_problem(ppo_graph(batch), cluster, model_preset(actor), critic=model_preset(critic))
+def ppo_problem(nodes: int, actor: str, critic: str, batch: BatchShape, hardware: str = "h100-80g",
+                profile: str | None = None) -> PlanningProblem:
+    """PPO on nodes x 8 GPUs of `hardware`; `profile` (a `python -m app profile` JSON) replaces the
+    preset's figures and supplies the measured op efficiencies."""
+    spec = hardware_preset(hardware)
+    efficiency = OpEfficiency()
+    if profile is not None:
+        spec = spec.with_profile(profile)
+        efficiency = OpEfficiency(**json.loads(Path(profile).read_text()).get("efficiency", {}))
+    cluster = ClusterSpec(nodes, 8, spec)
+    return rlhf_problem(ppo_graph(batch), cluster, model_preset(actor), critic=model_preset(critic),
+                        efficiency=efficiency)
 
 
 def part_a(quick: bool, seed: int) -> list[Row]:
@@ -81,9 +93,10 @@ def part_a(quick: bool, seed: int) -> list[Row]:
     ]
 
 
-def part_b(quick: bool, seed: int) -> list[Row]:
-    problem = ppo_problem(16, "llama-70b", "llama-7b", BatchShape(2048, 512, 512))
-    budget = 10.0 if quick else 60.0
+def part_b(quick: bool, seed: int, hardware: str = "h100-80g", profile: str | None = None,
+           seconds: float | None = None) -> list[Row]:
+    problem = ppo_problem(16, "llama-70b", "llama-7b", BatchShape(2048, 512, 512), hardware, profile)
+    budget = seconds or (10.0 if quick else 60.0)
     result = search_plan(problem, "search", seconds=budget, seed=seed)
     print(f"[b] 70B+7B on 128 GPUs: {result.est_iteration_s:.2f} s/iter vs symmetric {result.baseline_iteration_s:.2f} "
           f"({result.speedup:.2f}x) in {result.search_s:.1f} s, {result.evaluated_plans} proposals")
@@ -186,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small budgets and spaces (about a minute in all)")
     parser.add_argument("--plot", metavar="FILE.png", help="part c: save best cost vs search time here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hardware", default="h100-80g", help="part b: hardware preset of the 16x8 cluster")
+    parser.add_argument("--profile", default=None, help="part b: measured profile JSON (python -m app profile)")
+    parser.add_argument("--seconds", type=float, default=None, help="part b: search budget (default 60 s)")
     args = parser.parse_args(argv)
     rows: list[Row] = []
     parts = "abcd" if args.part == "all" else args.part
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if part == "a":
             rows += part_a(args.quick, args.seed)
         elif part == "b":
-            rows += part_b(args.quick, args.seed)
+            rows += part_b(args.quick, args.seed, args.hardware, args.profile, args.seconds)
         elif part == "c":
             rows += part_c(args.quick, args.seed, args.plot)
         else:
