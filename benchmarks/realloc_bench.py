@@ -175,6 +175,28 @@ def _raw_broadcast(device: torch.device, nbytes: int, warmup: int, reps: int) ->
     return nbytes / statistics.median(times)
 
 
+def _raw_exchange(device: torch.device, nbytes: int, warmup: int, reps: int) -> float:
+    """Bytes/s per direction when ranks 0 and 1 send `nbytes` to each other at once (one
+    batch_isend_irecv each): the ceiling for moves with traffic both ways, e.g. tp2 -> pp2."""
+    send = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    peer = 1 - dist.get_rank()
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(NCCL_ENV)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -193,18 +215,22 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         groups = ReallocGroups()
         results = [_run_case(name, src, dst, spec, rank, groups, device, dtype, args) for name, src, dst in CASES]
         raw_bps = _raw_broadcast(device, args.raw_mib * 2**20, args.warmup, args.reps)
+        exchange_bps = _raw_exchange(device, args.raw_mib * 2**20, args.warmup, args.reps)
         if rank == 0:
-            _report(results, raw_bps, spec, args)
+            _report(results, raw_bps, exchange_bps, spec, args)
     finally:
         dist.destroy_process_group()
 
 
-def _report(results: list[CaseResult], raw_bps: float, spec: ModelSpec, args: argparse.Namespace) -> None:
+def _report(results: list[CaseResult], raw_bps: float, exchange_bps: float, spec: ModelSpec,
+            args: argparse.Namespace) -> None:
     mode = "cpu/gloo" if args.cpu else "cuda/nccl"
     print(f"\nmodel {spec.name} ({spec.n_params() / 1e9:.2f}B params, {args.dtype}), {mode}, "
           f"bucket {args.bucket_mib} MiB, direct >= {args.direct_mib} MiB, {args.reps} reps after {args.warmup} warm-up")
     print(f"raw broadcast of {args.raw_mib} MiB g0->g1: {raw_bps / 1e9:.1f} GB/s "
           f"({100 * raw_bps / PEAK_BCAST_BPS:.0f}% of {PEAK_BCAST_BPS / 1e9:.0f} GB/s)")
+    print(f"raw exchange of {args.raw_mib} MiB each way g0<->g1: {exchange_bps / 1e9:.1f} GB/s per direction "
+          f"({100 * exchange_bps / PEAK_BCAST_BPS:.0f}% of {PEAK_BCAST_BPS / 1e9:.0f} GB/s)")
     header = (f"{'case':<24} {'seconds':>9} {'best':>9} {'host':>9} {'work':>9} {'call':>9} {'pred(h200)':>10} "
               f"{'GB/s':>7} {'%peak':>6} {'exact':>5}  bytes per link / local")
     print(header)
@@ -216,7 +242,8 @@ def _report(results: list[CaseResult], raw_bps: float, spec: ModelSpec, args: ar
               f"{r.effective_gbps:>7.1f} {r.pct_of_peak:>6.1f} {str(r.exact):>5}  {links} / local {_mb(r.local_bytes)}")
     if args.json:
         payload = {"mode": mode, "model": spec.name, "dtype": args.dtype, "bucket_mib": args.bucket_mib,
-                   "direct_mib": args.direct_mib, "raw_broadcast_gbps": raw_bps / 1e9, "cases": [asdict(r) for r in results]}
+                   "direct_mib": args.direct_mib, "raw_broadcast_gbps": raw_bps / 1e9,
+                   "raw_exchange_gbps": exchange_bps / 1e9, "cases": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=2))
 
 
