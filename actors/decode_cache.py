@@ -17,8 +17,12 @@ which are tuned for long queries). "auto" resolves to "triton" where it runs, el
 `attend_len` (a host int, default max_len) limits decode attention to the first slots; the
 generation loop raises it in buckets as sequences grow, so early steps do not read empty slots
 (each bucket gets its own CUDA graph). The "triton" kernel reads each sequence's own length from
-the device, so it ignores `attend_len` (one graph serves every step). The model calls `prefill` / `decode` exactly as on the base
-class; positions and lengths keep the base class's meaning.
+the device, so it ignores `attend_len` (one graph serves every step). The model calls `prefill` /
+`decode` exactly as on the base class; positions and lengths keep the base class's meaning.
+
+`FusedQKV` (set on the cache by the generation call as `cache.qkv`) holds each layer's
+concatenated [q; k; v] projection weights, so the model's decode steps run one GEMM per layer
+instead of three; the cache only hands them out (`fused_qkv`).
 
 Kernels per step: a decode step is launch-bound, so the additive length mask is built once per
 step by the first layer (`decode_mask`) and shared by the others, and the row and slot indices

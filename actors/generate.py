@@ -5,8 +5,9 @@
 `model` is a `Transformer` (or its tensor-parallel shard; pipeline stages go through
 actors/pp_generate.py, which `generate` dispatches to when groups.layout.pp > 1). Prompts are 1-D
 token tensors of different lengths. The call:
-1. checks that the KV cache (n_seqs x (max_prompt + max_new_tokens) per layer) and the logits fit
-   in free memory, failing with the bytes needed and available before allocating anything;
+1. checks that the KV cache (n_seqs x (max_prompt + max_new_tokens) per layer), the fused
+   [q; k; v] weights and the logits fit in free memory, failing with the bytes needed and
+   available before allocating anything;
 2. prefills all prompts packed (varlen attention), writing K/V into the cache;
 3. decodes one token per sequence per step until every sequence has emitted EOS or
    max_new_tokens tokens. Finished sequences keep a fixed slot in the (static-shape) step, but
@@ -15,11 +16,14 @@ token tensors of different lengths. The call:
    logprobs and top-k/top-p kept counts per response token, response lengths, no-EOS mask).
 
 On CUDA with `use_cuda_graph` the decode step (the model forward over the cache) is captured as a
-CUDA graph, one per attention-length bucket (decode reads the cache only up to the longest
-sequence, rounded up to `attend_bucket` slots), within the call; sampling runs eagerly after it.
-`DecodeStep` re-captures whenever the parameters' data_ptr()s change (weights moved by
-reallocation) or after `invalidate()`. `compile_decode` adds torch.compile under the graph, which
-fuses the many small elementwise kernels of a step (measured 1.5x on an H200).
+CUDA graph within the call; sampling (a fused kernel for greedy and untruncated sampling, see
+actors/fused_sampling.py) runs eagerly after it. With the default Triton decode attention one
+graph serves every step (the kernel reads each sequence's own length); with "sdpa"/"matmul" there
+is one graph per attention-length bucket (the cache read up to the longest sequence, rounded up to
+`attend_bucket` slots). `DecodeStep` re-captures (and re-concatenates the fused [q; k; v]
+weights) whenever the parameters' data_ptr()s change (weights moved by reallocation) or after
+`invalidate()`. `compile_decode` adds torch.compile under the graph, which fuses the many small
+elementwise kernels of a step (1.4x on an H200, docs/benchmarks.md).
 The cache is `actors.decode_cache.HeadMajorKVCache` (head-major K/V, GQA folded into the query axis).
 """
 
