@@ -21,6 +21,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,7 +87,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
     batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
     sync = (lambda: None) if args.cpu else torch.cuda.synchronize
 
-    def timed(fn, reps: int) -> float:
+    def timed(fn: Callable[[], object], reps: int) -> float:
         for _ in range(args.warmup):
             fn()
         sync()
@@ -113,7 +114,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
               f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB", flush=True)
 
 
-def print_profile(step, title: str) -> None:
+def print_profile(step: Callable[[], object], title: str) -> None:
     """The top CUDA kernels of one call of `step` (where the time of a step goes)."""
     from torch.profiler import ProfilerActivity, profile
 
