@@ -245,8 +245,14 @@ def run_grpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dic
 def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
     """ReMax: REINFORCE on KL-shaped rewards with the greedy response's reward as baseline."""
     r = load_rollout(ctx, inputs, ["greedy_rewards"])
-    cols = merge_shards(inputs, range(ctx.call.n_rows), ["greedy_rewards"])
-    baseline = torch.tensor([float(x) for x in cols["greedy_rewards"]], dtype=torch.float32)
+    cols = merge_shards(inputs, range(ctx.call.n_rows), ["greedy_rewards"], optional=["greedy_no_eos"])
+    raw_baseline = torch.tensor([float(x) for x in cols["greedy_rewards"]], dtype=torch.float32)
+    baseline = raw_baseline
+    # The greedy response is scored like the sampled one: the same no-EOS penalty, else the
+    # baseline would sit above the penalised sampled scores and bias every advantage down.
+    penalty = float(ctx.params.get("no_eos_penalty", 0.0))
+    if penalty and "greedy_no_eos" in cols:
+        baseline = baseline - penalty * torch.tensor([float(x) for x in cols["greedy_no_eos"]])
     kl = rollout_kl(ctx, r)
     token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl,
                                         kl_coef=float(ctx.params.get("kl_coef", 0.0)))
@@ -254,7 +260,7 @@ def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     if bool(ctx.params.get("whiten", False)):
         advantages = masked_whiten(advantages, r.mask, shift_mean=False)
     extra = rollout_metrics(ctx, r, kl)
-    extra["rollout/greedy_reward_mean"] = float(baseline.mean())
+    extra["rollout/greedy_reward_mean"] = float(raw_baseline.mean())  # unpenalised, like rollout/reward_mean
     return train_actor(ctx, r, advantages, extra)
 
 

@@ -180,6 +180,7 @@ def remax_graph(batch: BatchShape) -> Graph:
         MFC("greedy_gen", "actor", "generate", ("prompts",), ("greedy_seq",), batch),
         MFC("rew_inf", "reward", "inference", ("seq", "prompt_mask"), ("rewards",), batch),
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
-        MFC("actor_train", "actor", "train", ("seq", "prompt_mask", "logprobs", "rewards", "greedy_rewards"),
-            ("actor_stats",), batch),
+        # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
+        MFC("actor_train", "actor", "train",
+            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch),
     ))

@@ -614,3 +614,23 @@ def test_truncated_sampling_logprobs_are_full_distribution_under_dp_tp_and_pp() 
 
     gaps, _ = run_distributed(_truncated_generation_ranks, 2, timeout_s=300.0)
     assert max(gaps) < 1e-5, gaps
+
+
+@pytest.mark.unit
+def test_remax_greedy_baseline_gets_the_same_no_eos_penalty() -> None:
+    worker = serial_worker()
+    columns = rollout_columns()
+    columns["no_eos"] = [True, False, True, False]
+    greedy = [0.5, 0.0, 1.0, -1.0]
+    greedy_no_eos = [True, True, False, False]
+    shards = [*shards_of(columns), {"row_start": 0, "n": N, "greedy_rewards": greedy, "greedy_no_eos": greedy_no_eos}]
+    params = {"op": "remax_actor", "kl_coef": 0.0, "whiten": False, "loss_agg": "token-mean", "ppo_minibatches": 1,
+              "no_eos_penalty": 0.7}
+    meta, _ = run(worker, "actor", "train", params, *shards)
+    advantages = []
+    for i, lp in enumerate(rows_of(columns, "logprobs")):
+        score = SCORES[i] - 0.7 * columns["no_eos"][i]
+        baseline = greedy[i] - 0.7 * greedy_no_eos[i]
+        advantages.append([score - baseline] * len(lp))  # kl_coef 0: reward only at the last token
+    assert meta["actor/pg_loss"] == pytest.approx(-aggregate(advantages, "token-mean"), abs=1e-5)
+    assert meta["rollout/greedy_reward_mean"] == pytest.approx(sum(greedy) / N)  # unpenalised, like reward_mean
