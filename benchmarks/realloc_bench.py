@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -158,21 +159,26 @@ def _run_case(name: str, src: Placement, dst: Placement, spec: ModelSpec, rank: 
     )
 
 
-def _raw_broadcast(device: torch.device, nbytes: int, warmup: int, reps: int) -> float:
-    """Bytes/s of a plain broadcast of `nbytes` from rank 0 to rank 1 (median of `reps`)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def _median_seconds(device: torch.device, step: Callable[[], None], warmup: int, reps: int) -> float:
+    """Median wall seconds of `step` over `reps` runs after `warmup`, ranks aligned before each."""
     times = []
     for i in range(warmup + reps):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        dist.broadcast(buf, src=0)
+        step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
+    return statistics.median(times)
+
+
+def _raw_broadcast(device: torch.device, nbytes: int, warmup: int, reps: int) -> float:
+    """Bytes/s of a plain broadcast of `nbytes` from rank 0 to rank 1 (median of `reps`)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _median_seconds(device, lambda: dist.broadcast(buf, src=0), warmup, reps)
 
 
 def _raw_exchange(device: torch.device, nbytes: int, warmup: int, reps: int) -> float:
@@ -181,20 +187,13 @@ def _raw_exchange(device: torch.device, nbytes: int, warmup: int, reps: int) -> 
     send = torch.empty(nbytes, dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     peer = 1 - dist.get_rank()
-    times = []
-    for i in range(warmup + reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+
+    def exchange() -> None:
         ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
+
+    return nbytes / _median_seconds(device, exchange, warmup, reps)
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
