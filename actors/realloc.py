@@ -2,48 +2,49 @@
 
 `planning.realloc_plan.plan_reallocation` says which slice of which parameter goes from which GPU
 to which GPUs; this module only moves the bytes, on plain dicts of tensors (HF parameter name ->
-this rank's shard), so it depends on no model code. Global rank == global GPU index.
+this rank's shard), so it depends on no model code. Global rank == global GPU index. The
+destination shards are views of one flat buffer, allocated once per call.
 
-How the bytes move (the same schedule is computed on every rank from the plan alone, so every
-rank walks it in the same order and nothing deadlocks):
+Two ways to move the bytes, chosen per call, the same on every rank of the plan:
 
-1. The destination shards are views of one flat buffer, allocated once per call; their order in
-   it follows the order this rank receives them, so most messages land straight in it. (The
-   buffer is freed once all its shards are dropped; clone a shard to give it its own storage.)
-2. Local transfers (a slice that stays on its GPU) are copies into the destination buffer,
-   issued once two point-to-point rounds are in flight.
-3. Transfers with one receiver go point-to-point. They are grouped per link (src, dst), packed
-   into messages, and run in rounds (`actors/realloc_schedule.py`): round k posts the k-th
-   batch of every link at once with `dist.batch_isend_irecv`, so opposite directions of a link
-   and disjoint links run concurrently. Two rounds are in flight (round k+1 is packed and posted
-   before round k is unpacked), and a round stages at most half a bucket per GPU however many
-   peers it has.
-4. Transfers with several receivers (data-parallel replicas of the destination) are broadcast in
-   the group (source + receivers), one message at a time, in plan order.
+* pull (inside one node, on CUDA; `actors/realloc_pull.py`): each rank reads the slices it
+  receives straight out of its peers' source shards, mapped with CUDA IPC, into place, and makes
+  its local copies at the same time, with the copy kernel of `actors/segment_copy.py`. Each byte
+  crosses NVLink once and is never staged. Used when the caller created the plan's group
+  (`pull_group`) in its `ReallocGroups`.
+* rounds over NCCL (any backend; gloo on CPU): the same schedule is computed on every rank from
+  the plan alone (`actors/realloc_schedule.py`), so every rank walks it in the same order:
+  1. local transfers (a slice that stays on its GPU) are copies into the destination buffer,
+     issued right after the largest point-to-point round is posted, so they run while it is on
+     the wire;
+  2. transfers with one receiver are grouped per link (src, dst), packed into messages and run
+     in rounds: round k posts the k-th batch of every link at once with `dist.batch_isend_irecv`,
+     so opposite directions and disjoint links run concurrently. Two rounds are in flight (round
+     k+1 is packed and posted before round k is unpacked), and a round stages at most half a
+     bucket per GPU however many peers it has;
+  3. transfers with several receivers (data-parallel replicas) are broadcast in the group
+     (source + receivers), one message at a time, in plan order.
+  A message is one large slice sent straight from the shard when that view is contiguous (and
+  in the destination dtype), or several slices packed into a staging buffer (one `torch.cat` per
+  trailing shape, or the copy kernel with copy_kernels=True). It is received straight into the
+  destination buffer when its slices lie there back to back, else staged and unpacked. Slices
+  larger than the message limit are split along their dim 0 rows. Peak extra memory on a GPU:
+  its destination buffer plus the staging buffers of two rounds (at most one bucket).
 
-A message is one large slice sent straight from the shard when that view is contiguous (and in
-the destination dtype), or several slices packed into a staging buffer (one `torch.cat` per
-trailing shape). It is received
-straight into the destination buffer when its slices lie there back to back, else into a
-staging buffer and unpacked. Slices larger than the message limit are split along their dim 0
-rows. Peak extra memory on a GPU: its fresh destination buffer plus the staging buffers of two
-rounds (at most one bucket).
+Everything that follows from the plan alone (schedule, this rank's messages, the destination
+layout, the slicing key of every view, buffer offsets, byte counts) is compiled once per (plan
+object, rank, element size, schedule settings, source names and shapes) into a `RankProgram`
+(`actors/realloc_program.py`) and cached (`actors/realloc_cache.py`); a repeated reallocation only
+cuts views, copies and sends (`actors/realloc_buffers.py`).
 
-Host time is what bounds a reallocation of ~150 tensors on GPU, so everything that follows from
-the plan alone (schedule, this rank's messages, the destination layout, the slicing key of every
-view, buffer offsets, byte counts) is compiled once per (plan object, rank, element size, bucket
-settings, source names and shapes) into a `RankProgram` (`actors/realloc_program.py`) and cached;
-a repeated reallocation only cuts views, copies and sends (`actors/realloc_buffers.py`).
-
-`ReallocGroups` creates the broadcast groups once per member set, in the same order on every rank
-of the world, and reuses them across plans. Point-to-point messages use the world group, whose
-communicator must already exist on every rank (run one world collective, e.g. a barrier, first).
+`ReallocGroups` creates the broadcast (and pull) groups once per member set, in the same order on
+every rank of the world, and reuses them across plans. Point-to-point messages use the world
+group, whose communicator must already exist on every rank (run one world collective first).
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,8 +53,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from actors.realloc_buffers import Staging, copy_pairs, pack, unpack, write_runs
-from actors.realloc_program import RankMessage, RankProgram, compile_rank_program
-from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, build_schedule, source_offsets
+from actors.realloc_cache import PROGRAMS, PULLS
+from actors.realloc_copies import DeviceTables, MessageBuffer, device_tables
+from actors.realloc_pull import plan_members, within_one_node
+from actors.segment_copy import PROGRAMS as COPY_PROGRAMS
+from actors.realloc_program import RankMessage, RankProgram
+from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DEFAULT_LEAD_BYTES, DIRECT_MIN_BYTES
+from actors.triton_support import triton_on
 from planning.realloc_plan import ReallocPlan
 
 
@@ -65,7 +71,7 @@ class ReallocStats:
     bytes_received: dict[int, int] = field(default_factory=dict)  # sender -> bytes received from it
     local_bytes: int = 0  # bytes copied from this rank's source shards into its destination shards
     seconds: float = 0.0
-    n_messages: int = 0  # point-to-point messages and broadcasts this rank took part in
+    n_messages: int = 0  # point-to-point messages and broadcasts this rank took part in (0 when it pulled)
     host_seconds: float = 0.0  # until the host had issued everything (seconds includes device work)
     # Part of host_seconds spent inside torch.distributed calls (posting, waiting). On NCCL that is
     # host work; on gloo it includes the transfer itself, so host - comm is the executor's own work.
@@ -134,6 +140,14 @@ def broadcast_groups(plan: ReallocPlan) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted({tuple(sorted(t.group)) for t in plan.transfers if len(t.group) > 2}))
 
 
+def pull_group(plan: ReallocPlan) -> tuple[int, ...] | None:
+    """The member set whose group lets the executor pull inside one node (`actors/realloc_pull.py`):
+    every GPU of the plan; None when the plan spans nodes or moves nothing between GPUs. Pass it
+    to `ReallocGroups.ensure` with the broadcast groups to allow pulling."""
+    members = plan_members(plan)
+    return members if len(members) > 1 and within_one_node(plan) else None
+
+
 # ---- execution ------------------------------------------------------------------------------------
 
 
@@ -146,6 +160,10 @@ def execute_reallocation(
     dtype: torch.dtype,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    lead_bytes: int = DEFAULT_LEAD_BYTES,
+    copy_kernels: bool | None = False,
+    copy_programs: int = COPY_PROGRAMS,
+    pull: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], ReallocStats]:
     """Run `plan` on global rank `rank`; every rank of the source and destination meshes calls it.
 
@@ -157,9 +175,23 @@ def execute_reallocation(
     `device` first if they are on another device; cast to `dtype` on the way). The planning
     work is cached per (plan, rank, dtype size, bucket settings, source names and shapes):
     repeating a reallocation only creates views, copies and sends.
+
+    copy_kernels: when not pulling, do the packing, unpacking and local copies of the rounds with
+    the Triton kernel of `actors/segment_copy.py` (a few launches per round instead of one torch
+    copy per tensor: far less host time, but on two H200s no faster overall, the kernel's copies
+    slowing the NCCL transfers they overlap; docs/benchmarks.md). None: on CUDA when triton is
+    installed and the shards are contiguous in `dtype`; True: required (CUDA, or CPU under
+    Triton's interpreter); False (default): torch copies.
+    copy_programs: thread blocks per copy kernel launch (each loops over tiles).
+    pull: inside one node, read the received slices straight from the peers' source shards (CUDA
+    IPC, `actors/realloc_pull.py`) instead of sending them with NCCL. None: when on CUDA with
+    triton and the plan's group (`pull_group`) exists in `groups`, and every member's shards are
+    contiguous in `dtype` (decided together); True: required; False: never.
     """
     device = _resolve(torch.device(device))
-    program = _PROGRAMS.get(plan, rank, dtype.itemsize, bucket_bytes, direct_min_bytes, src_shards)
+    program, schedule = PROGRAMS.get(plan, rank, dtype.itemsize, (bucket_bytes, direct_min_bytes, lead_bytes),
+                                      src_shards)
+    members = _pull_members(plan, rank, groups, device, pull)
     for m in program.broadcasts:
         groups.get(m.group)  # fail before moving anything if a group is missing
     src = list(src_shards.values())
@@ -169,57 +201,19 @@ def execute_reallocation(
     start = time.perf_counter()
     run = _Execution(program, src, device, dtype)  # the shards returned: outside inference mode
     with torch.inference_mode():  # the views cut below are temporary: skip their autograd bookkeeping
-        n_messages = run.point_to_point()
-        for m in program.broadcasts:
-            run.broadcast(m, groups.get(m.group))
+        pulled = members is not None and PULLS.get(plan, schedule, program, rank, tuple(src_shards), device).run(
+            src, run.flat, groups.get(members), all(t.dtype == dtype and t.is_contiguous() for t in src), copy_programs)
+        if pull and not pulled:
+            raise ValueError(f"pull=True: some rank of {members} has source shards that are not contiguous in {dtype}")
+        n_messages = 0 if pulled else run.over_the_network(groups, copy_kernels, copy_programs)
     host_seconds = time.perf_counter() - start
     _synchronize(device)
     element_bytes = dtype.itemsize
     stats = ReallocStats({r: n * element_bytes for r, n in program.bytes_sent},
                          {r: n * element_bytes for r, n in program.bytes_received},
                          program.local_numel * element_bytes, time.perf_counter() - start,
-                         n_messages + len(program.broadcasts), host_seconds, run.comm_seconds)
+                         n_messages, host_seconds, run.comm_seconds)
     return dict(zip(program.out_names, run.outs)), stats
-
-
-_Entry = tuple[ReallocPlan, tuple[str, ...], tuple[torch.Size, ...], RankProgram]  # plan, source names, shapes
-
-
-class _ProgramCache:
-    """Compiled rank programs of recently executed plans, most recent last.
-
-    Keyed by the plan's identity (plus rank, element size and bucket settings) rather than its
-    value: hashing a plan of ~300 transfers costs more host time than the rest of a small
-    reallocation. Each entry also holds the source names and shapes it was compiled for and is
-    recompiled when they change. Entries keep their plan alive, so an id is never reused while
-    its entry exists. An equal plan in a new object compiles once more, which is only slower.
-    """
-
-    def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
-
-    def get(self, plan: ReallocPlan, rank: int, element_bytes: int, bucket_bytes: int, direct_min_bytes: int,
-            src_shards: dict[str, torch.Tensor]) -> RankProgram:
-        key = (id(plan), rank, element_bytes, bucket_bytes, direct_min_bytes)
-        names = tuple(src_shards)
-        shapes = tuple([t.shape for t in src_shards.values()])
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is plan and entry[1] == names and entry[2] == shapes:
-            self._entries.move_to_end(key)
-            return entry[3]
-        shape_of = {name: tuple(shape) for name, shape in zip(names, shapes)}
-        schedule = build_schedule(plan, element_bytes, bucket_bytes, direct_min_bytes)
-        offsets = source_offsets(plan, rank, shape_of)
-        program = compile_rank_program(schedule, plan, rank, offsets, shape_of, element_bytes)
-        self._entries[key] = (plan, names, shapes, program)
-        self._entries.move_to_end(key)
-        if len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
-        return program
-
-
-_PROGRAMS = _ProgramCache(max_entries=32)  # plain data, no process groups; per process
 
 
 class _Execution:
@@ -236,6 +230,17 @@ class _Execution:
         self.outs = [flat.as_strided(shape, stride, offset) for shape, stride, offset in program.out_views]
         self.comm_seconds = 0.0
 
+    def over_the_network(self, groups: ReallocGroups, copy_kernels: bool | None, copy_programs: int) -> int:
+        """The point-to-point rounds, then the broadcasts; returns the messages this rank took
+        part in."""
+        tables = device_tables(self.program, self.src, self.device, self.dtype, copy_kernels)
+        if tables is not None:
+            tables.programs = copy_programs
+        n_messages = self.point_to_point() if tables is None else self.point_to_point_kernels(tables)
+        for m in self.program.broadcasts:
+            self.broadcast(m, groups.get(m.group))
+        return n_messages + len(self.program.broadcasts)
+
     def empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
@@ -246,9 +251,10 @@ class _Execution:
     def point_to_point(self) -> int:
         """Run the point-to-point rounds, two in flight: round k+1 is packed and posted before
         round k is waited for and unpacked, so on CUDA packing and unpacking overlap the
-        transfers. The local copies are issued once two rounds are in flight, so on CUDA their
-        device time hides behind those transfers (issued after the first round only, they would
-        hold back the packing of the second). Returns the number of messages posted."""
+        transfers. The local copies are issued right after the round that is longest on the wire
+        is posted, so on CUDA their device time hides behind it (issued after the first, short
+        round, they would hold back the packing of the next ones). Returns the number of messages
+        posted."""
         program = self.program
         src = self.src
         for index, dim, sizes in program.splits:
@@ -256,7 +262,7 @@ class _Execution:
         singles_sendable = all(src[i].dtype == self.dtype and src[i].is_contiguous() for i in program.single_sources)
         staging = Staging(program.staging_half if singles_sendable else program.staging_half_all, self.empty)
         in_flight: list[tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]] = []
-        local_after = min(1, len(program.p2p_rounds) - 1)
+        local_after = program.local_after_round
         for k, messages in enumerate(program.p2p_rounds):
             staging.next_round()
             in_flight.append(self._post_round(messages, staging))
@@ -269,6 +275,49 @@ class _Execution:
         if not program.p2p_rounds:
             self.local_copies()
         return sum(len(ms) for ms in program.p2p_rounds)
+
+    def point_to_point_kernels(self, tables: DeviceTables) -> int:
+        """`point_to_point` with the copies of each step as one kernel launch (`DeviceTables`):
+        the same rounds, two in flight, local copies after the longest round is posted."""
+        program, shards = self.program, list(self.src)
+        tables.prepare(shards)
+        if program.broadcasts:  # they cut their views from the source list, split pieces included
+            for index, dim, sizes in program.splits:
+                self.src.extend(self.src[index].split_with_sizes(sizes, dim))
+        half = tables.staging_half
+        staging = self.empty(2 * half) if half else self.flat[:0]
+        in_flight: list[tuple[int, list[dist.Work], torch.Tensor]] = []
+        for k, messages in enumerate(program.p2p_rounds):
+            buf = staging[(k % 2) * half:(k % 2 + 1) * half]
+            tables.pack(k, shards, buf)
+            ops = [dist.P2POp(dist.isend if m.send else dist.irecv, self._message_tensor(m, where, buf), m.peer)
+                   for m, where in zip(messages, tables.tables.rounds[k].buffers)]
+            started = time.perf_counter()
+            in_flight.append((k, dist.batch_isend_irecv(ops), buf))
+            self.comm_seconds += time.perf_counter() - started
+            if k == program.local_after_round:
+                tables.local(shards, self.flat)
+            if len(in_flight) == 2:
+                self._finish_kernel_round(tables, *in_flight.pop(0))
+        for k, works, buf in in_flight:
+            self._finish_kernel_round(tables, k, works, buf)
+        if not program.p2p_rounds:
+            tables.local(shards, self.flat)
+        return sum(len(ms) for ms in program.p2p_rounds)
+
+    def _message_tensor(self, m: RankMessage, where: MessageBuffer, buf: torch.Tensor) -> torch.Tensor:
+        if where.staged >= 0:
+            return buf[where.staged:where.staged + m.numel]
+        if where.shard >= 0:
+            return self.src[where.shard].view(-1)[where.shard_offset:where.shard_offset + m.numel]
+        return self.flat[m.direct:m.direct + m.numel]
+
+    def _finish_kernel_round(self, tables: DeviceTables, k: int, works: list[dist.Work], buf: torch.Tensor) -> None:
+        started = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.comm_seconds += time.perf_counter() - started
+        tables.unpack(k, buf, self.flat)
 
     def _post_round(self, messages: tuple[RankMessage, ...],
                     staging: Staging) -> tuple[list[dist.Work], list[tuple[RankMessage, torch.Tensor]]]:
@@ -311,6 +360,20 @@ class _Execution:
             unpack(m, buf, self.flat)
 
 
+def _pull_members(plan: ReallocPlan, rank: int, groups: ReallocGroups, device: torch.device,
+                  pull: bool | None) -> tuple[int, ...] | None:
+    """The plan's members when this call may pull (see `execute_reallocation`), else None.
+    Depends only on things every member sees alike, so they all decide the same."""
+    if pull is False:
+        return None
+    members = pull_group(plan)
+    possible = members is not None and rank in members and members in groups and triton_on(device)
+    if pull and not possible:
+        raise ValueError(f"pull=True needs CUDA with triton, a plan inside one node, and ReallocGroups holding "
+                         f"pull_group(plan) = {members} (ensure it on every rank first)")
+    return members if possible else None
+
+
 def _resolve(device: torch.device) -> torch.device:
     """`device` with its index, so that it compares equal to a tensor's device."""
     if device.type == "cuda" and device.index is None:
@@ -323,4 +386,4 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["ReallocGroups", "ReallocStats", "broadcast_groups", "execute_reallocation"]
+__all__ = ["COPY_PROGRAMS", "ReallocGroups", "ReallocStats", "broadcast_groups", "execute_reallocation", "pull_group"]

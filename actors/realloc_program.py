@@ -120,6 +120,7 @@ class RankProgram:
     splits: tuple[tuple[int, int, tuple[int, ...]], ...]  # (shard, dim, sizes): split per call, pieces appended
     local_runs: tuple[CatRun, ...]  # local copies that land back to back in the flat buffer
     local_pairs: tuple[CopyPairs, ...]  # the other local copies: dense pairs, then strided ones
+    local_after_round: int  # index in p2p_rounds of the round after whose posting they are issued
     p2p_rounds: tuple[tuple[RankMessage, ...], ...]  # only rounds where this rank has a message
     broadcasts: tuple[RankMessage, ...]
     staging_half: int  # elements of the largest round's staged messages on this rank
@@ -170,6 +171,7 @@ def compile_rank_program(schedule: ReallocSchedule, plan: ReallocPlan, rank: int
         out_names=tuple(dst.order), out_views=tuple(dst.out_view(name) for name in dst.order), flat_numel=dst.numel,
         splits=tuple(sources.splits),
         local_runs=local_runs, local_pairs=local_pairs, p2p_rounds=rounds, broadcasts=broadcasts,
+        local_after_round=max(range(len(rounds)), key=lambda k: sum(m.numel for m in rounds[k]), default=0),
         staging_half=max((sum(m.numel for m in ms if m.staged) for ms in rounds), default=0),
         staging_half_all=max((sum(m.numel for m in ms if m.send or m.staged) for ms in rounds), default=0),
         single_sources=tuple(sorted({m.single.index for ms in rounds for m in ms if m.single is not None})),
@@ -206,14 +208,14 @@ class _Destination:
     def out_view(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         shape, slc = self._slices[name]
         shard = slc.shard_shape(shape)
-        return shard, _contiguous_stride(shard), self._offsets[name]
+        return shard, contiguous_stride(shard), self._offsets[name]
 
     def view(self, seg: Segment) -> DstView:
         """Where `seg` lies in the flat buffer (the shard's slice and the piece share their dim)."""
         t = seg.transfer
         shape, slc = self._slices[t.param]
         shard = slc.shard_shape(shape)
-        stride = _contiguous_stride(shard)
+        stride = contiguous_stride(shard)
         starts = [0] * len(shard)
         if t.piece.dim is not None:
             starts[t.piece.dim] = t.piece.start - (slc.start if slc.dim == t.piece.dim else 0)
@@ -281,7 +283,7 @@ class _Sources:
     def contiguous(self, seg: Segment) -> bool:
         """Whether the segment's view is contiguous in a contiguous source shard."""
         shard = self._shapes[seg.transfer.param]
-        return _is_contiguous(seg.shape, _contiguous_stride(shard))
+        return _is_contiguous(seg.shape, contiguous_stride(shard))
 
 
 def _send(m: Message, peer: int, group: tuple[int, ...], sources: _Sources) -> RankMessage:
@@ -346,7 +348,7 @@ def _chains(placed: list[tuple[Segment, int, bool]]) -> list[list[tuple[Segment,
 def _cat_run(chain: list[tuple[Segment, int]], sources: _Sources) -> CatRun:
     segs = [seg for seg, _ in chain]
     shape = (sum(s.shape[0] for s in segs),) + segs[0].shape[1:]
-    return CatRun(chain[0][1], shape, _contiguous_stride(shape), tuple(sources.view(s) for s in segs))
+    return CatRun(chain[0][1], shape, contiguous_stride(shape), tuple(sources.view(s) for s in segs))
 
 
 def _slicing_key(narrows: list[tuple[int, int, int]]) -> Index:
@@ -362,7 +364,8 @@ def _slicing_key(narrows: list[tuple[int, int, int]]) -> Index:
     return key[0] if ndim == 1 else tuple(key)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of a contiguous tensor of `shape`, in elements."""
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
@@ -385,5 +388,5 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["ALIGN_BYTES", "CatRun", "CopyPairs", "DstView", "RankMessage", "RankProgram", "SrcView",
+__all__ = ["ALIGN_BYTES", "CatRun", "CopyPairs", "DstView", "RankMessage", "RankProgram", "SrcView", "contiguous_stride",
            "compile_rank_program"]

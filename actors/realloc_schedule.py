@@ -31,6 +31,12 @@ DEFAULT_BUCKET_BYTES = 1536 * MiB
 # Slices at least this large travel as their own message, so contiguous ones need no packing.
 # Each message costs tens of microseconds of host time; below this size packing is cheaper.
 DIRECT_MIN_BYTES = 64 * MiB
+# With lead_bytes > 0 a link's first and last rounds carry that much (`round_sizes`) and the ones
+# between grow and shrink by RAMP_GROWTH per round up to the bucket's share, so that the first
+# pack and the last unpack, which nothing overlaps, are short. Off by default: on two H200s a
+# 32 MiB lead measured within the run-to-run spread (docs/benchmarks.md).
+DEFAULT_LEAD_BYTES = 0
+RAMP_GROWTH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +86,18 @@ class ReallocSchedule:
 
 
 def build_schedule(plan: ReallocPlan, element_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   direct_min_bytes: int = DIRECT_MIN_BYTES) -> ReallocSchedule:
+                   direct_min_bytes: int = DIRECT_MIN_BYTES, lead_bytes: int = DEFAULT_LEAD_BYTES) -> ReallocSchedule:
     """Split the plan into local copies, point-to-point rounds and broadcasts (see module doc).
 
-    Two rounds are in flight at a time, so a round gives each GPU half a bucket, shared among
-    its links. Slices of at least `direct_min_bytes` travel as their own message.
+    Two rounds are in flight at a time, so a round gives each GPU at most half a bucket, shared
+    among its links. A link's rounds ramp up from `lead_bytes` and back down (`round_sizes`;
+    0 = every round as large as allowed). Slices of at least `direct_min_bytes` travel as their
+    own message.
     """
     if bucket_bytes < element_bytes:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must hold at least one element of {element_bytes} bytes")
+    if lead_bytes < 0:
+        raise ValueError(f"lead_bytes={lead_bytes}: must be >= 0 (0 = no ramp)")
     by_key: dict[tuple[int, tuple[int, ...]], list[Transfer]] = {}
     local: list[Transfer] = []
     for t in plan.transfers:
@@ -100,42 +110,83 @@ def build_schedule(plan: ReallocPlan, element_bytes: int, bucket_bytes: int = DE
         if len(receivers) == 1:
             for gpu in (src, receivers[0]):
                 degree[gpu] = degree.get(gpu, 0) + 1
-    p2p_limit = max(1, bucket_bytes // (2 * element_bytes * max(degree.values(), default=1)))
-    bcast_limit = bucket_bytes // element_bytes
-    link_batches: list[list[list[Message]]] = []
+    share = max(degree.values(), default=1)
+    p2p_limit = max(1, bucket_bytes // (2 * element_bytes * share))
+    lead = lead_bytes // (element_bytes * share)
+    direct_min = max(1, direct_min_bytes // element_bytes)
+    link_rounds: list[list[list[Message]]] = []
     broadcasts: list[Message] = []
     for (src, receivers), transfers in by_key.items():
-        limit = p2p_limit if len(receivers) == 1 else bcast_limit
-        messages = _pack_messages(src, receivers, transfers, limit, max(1, direct_min_bytes // element_bytes))
         if len(receivers) == 1:
-            link_batches.append(_batch(messages, limit))
+            sizes = round_sizes(sum(t.numel for t in transfers), p2p_limit, lead)
+            link_rounds.append(_link_rounds(src, receivers, transfers, sizes, direct_min))
         else:
-            broadcasts.extend(messages)
-    n_rounds = max((len(b) for b in link_batches), default=0)
-    rounds = tuple(tuple(m for b in link_batches if k < len(b) for m in b[k]) for k in range(n_rounds))
+            broadcasts.extend(m for rnd in _link_rounds(src, receivers, transfers, [bucket_bytes // element_bytes],
+                                                        direct_min) for m in rnd)
+    n_rounds = max((len(b) for b in link_rounds), default=0)
+    rounds = tuple(tuple(m for b in link_rounds if k < len(b) for m in b[k]) for k in range(n_rounds))
     return ReallocSchedule(tuple(local), rounds, tuple(broadcasts))
 
 
-def _pack_messages(src: int, receivers: tuple[int, ...], transfers: list[Transfer], limit: int,
-                   direct_min: int) -> list[Message]:
-    """Messages of at most `limit` elements, filled in plan order (segments in `buffer_order`);
-    large slices alone, small ones packed."""
-    out: list[Message] = []
+def round_sizes(total: int, cap: int, lead: int, growth: int = RAMP_GROWTH) -> list[int]:
+    """Element budgets of the successive rounds of one link that moves `total` elements, each at
+    most `cap`: lead, lead * growth, ... up to the cap, then the same steps down again.
+
+    Nothing overlaps the packing of the first round or the unpacking of the last, so those are
+    kept small; in between, the copies of rounds k - 1 and k + 1 run while round k is on the wire,
+    which hides them as long as neighbouring rounds differ by less than the ratio of copy to link
+    speed (about 5 on H200s). lead <= 0 or lead >= cap: rounds of `cap` only.
+    """
+    if lead <= 0 or lead >= cap:
+        return [cap] * max(1, -(-total // cap))
+    steps: list[int] = []
+    while lead * growth ** len(steps) < cap and 2 * (sum(steps) + lead * growth ** len(steps)) <= total:
+        steps.append(lead * growth ** len(steps))
+    rest = total - 2 * sum(steps)
+    while True:
+        n_middle = -(-rest // cap)
+        middle = [rest // n_middle + (1 if i < rest % n_middle else 0) for i in range(n_middle)] if rest > 0 else []
+        if not (steps and middle and middle[-1] < steps[-1]):
+            break
+        rest += 2 * steps.pop()  # a middle round below its neighbours would leave their copies exposed
+    return steps + middle + steps[::-1]
+
+
+def _link_rounds(src: int, receivers: tuple[int, ...], transfers: list[Transfer], sizes: list[int],
+                 direct_min: int) -> list[list[Message]]:
+    """The messages of one link, round by round: round k carries at most sizes[k] elements
+    (the last size repeats), filled in plan order and cutting slices along their dim 0 rows at
+    a round's end. In a round, slices of at least `direct_min` elements go alone and the others
+    are packed into one message (segments in `buffer_order`)."""
+    rounds: list[list[Message]] = []
     pending: list[Segment] = []
-    pending_numel = 0
+    filled = 0
+
+    def close() -> None:
+        nonlocal pending, filled
+        direct = [s for s in pending if s.numel >= direct_min]
+        packed = [s for s in pending if s.numel < direct_min]
+        rounds.append([Message(src, receivers, (s,)) for s in direct]
+                      + ([Message(src, receivers, buffer_order(packed))] if packed else []))
+        pending, filled = [], 0
+
     for t in transfers:
-        for seg in _split_rows(t, limit):
-            if seg.numel >= direct_min:
-                out.append(Message(src, receivers, (seg,)))
+        n_rows = t.piece.shard_shape(t.shape)[0]
+        row_numel = t.numel // n_rows
+        row = 0
+        while row < n_rows:
+            budget = sizes[min(len(rounds), len(sizes) - 1)]
+            fit = min(n_rows - row, max(0, budget - filled) // row_numel)
+            if fit == 0 and pending:
+                close()
                 continue
-            if pending and pending_numel + seg.numel > limit:
-                out.append(Message(src, receivers, buffer_order(pending)))
-                pending, pending_numel = [], 0
-            pending.append(seg)
-            pending_numel += seg.numel
+            fit = max(fit, 1)  # a single row larger than a round goes alone
+            pending.append(Segment(t, row, row + fit))
+            filled += fit * row_numel
+            row += fit
     if pending:
-        out.append(Message(src, receivers, buffer_order(pending)))
-    return out
+        close()
+    return rounds
 
 
 def buffer_order(segments: list[Segment]) -> tuple[Segment, ...]:
@@ -148,27 +199,6 @@ def buffer_order(segments: list[Segment]) -> tuple[Segment, ...]:
         shape = seg.shape
         return place, len(shape), shape[1:]
     return tuple(sorted(segments, key=key))
-
-
-def _split_rows(t: Transfer, limit: int) -> list[Segment]:
-    """The piece of `t` cut along dim 0 into segments of at most `limit` elements."""
-    piece_shape = t.piece.shard_shape(t.shape)
-    row_numel = t.numel // piece_shape[0]
-    rows_per = max(1, limit // row_numel)
-    return [Segment(t, r, min(r + rows_per, piece_shape[0])) for r in range(0, piece_shape[0], rows_per)]
-
-
-def _batch(messages: list[Message], limit: int) -> list[list[Message]]:
-    """Consecutive messages grouped into batches of at most `limit` elements (one per round)."""
-    batches: list[list[Message]] = []
-    size = 0
-    for m in messages:
-        if not batches or (batches[-1] and size + m.numel > limit):
-            batches.append([])
-            size = 0
-        batches[-1].append(m)
-        size += m.numel
-    return batches
 
 
 def destination_slices(plan: ReallocPlan, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSlice]]:
@@ -222,6 +252,6 @@ def source_offsets(plan: ReallocPlan, rank: int, src_shapes: dict[str, tuple[int
 
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "Message", "ReallocSchedule", "Segment", "buffer_order", "build_schedule",
-    "destination_slices", "source_offsets",
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_LEAD_BYTES", "DIRECT_MIN_BYTES", "Message", "ReallocSchedule", "Segment", "buffer_order", "build_schedule",
+    "destination_slices", "round_sizes", "source_offsets",
 ]

@@ -13,12 +13,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 final=${OUT:-out}; out=$(mktemp -d); mkdir -p "$final"
 nvidia-smi -L | tee "$out/gpus.txt"
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
-only=${ONLY:-engine,generate,gentp2,realloc,ppo,profile}
+only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py ${ENGINE_ARGS:-}
 [[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py ${GEN_ARGS:-}
 [[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}
 [[ $only == *realloc* ]] && run realloc python3 benchmarks/realloc_bench.py
-# Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--bucket-mib 1024".
+[[ $only == *copy* ]] && run segment_copy python3 benchmarks/segment_copy_bench.py
+# The gpu test tier (pytest comes from .whl: prepare-wheels.sh pytest pluggy iniconfig pytest-timeout).
+[[ $only == *gputests* ]] && run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+# Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--pull off".
 [[ $only == *realloc* && -n ${REALLOC_ARGS:-} ]] && run realloc_b python3 benchmarks/realloc_bench.py $REALLOC_ARGS
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).
 [[ $only == *profile* ]] && run profile python3 -m app profile --out "$out/profile.json"

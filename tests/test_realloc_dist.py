@@ -20,7 +20,7 @@ from actors.losses import LossSums
 from actors.offload import ModelCopies, offload_to_cpu, reload_to_device
 from actors.optim import AdamWConfig
 from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation
-from actors.realloc_schedule import build_schedule, destination_slices
+from actors.realloc_schedule import build_schedule, destination_slices, round_sizes
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec, param_specs
 from planning.plan import Placement
@@ -79,6 +79,9 @@ def _shards(spec: ModelSpec, critic: bool, placement: Placement, gpu: int,
     return {p.name: _slice(full[p.name], piece).clone() for p, piece in rank_params(spec, critic, placement, mesh_rank)}
 
 
+SETTINGS = ((1024, 64, 16, False), (1024, 64, 16, True), (256 * 1024**2, 64 * 1024**2, 32 * 1024**2, None))
+
+
 def _grid(rank: int, world_size: int) -> list[dict[tuple[int, int], int]]:
     """Run every (case, pair, bucket size) on this rank; return the bytes it received per link."""
     groups = ReallocGroups()
@@ -88,13 +91,15 @@ def _grid(rank: int, world_size: int) -> list[dict[tuple[int, int], int]]:
         for src, dst in PAIRS:
             plan = plan_reallocation(spec, critic, src, dst)
             groups.ensure(broadcast_groups(plan))
-            # A tiny bucket forces row-split slices, many rounds and unpacked (direct) messages of
-            # every slice of >= 64 bytes; the defaults pack every slice of this tiny model.
-            for bucket_bytes, direct_min_bytes in ((1024, 64), (256 * 1024**2, 64 * 1024**2)):
+            # A tiny bucket with a tinier lead round forces row-split slices, many rounds of growing
+            # and shrinking size and unpacked (direct) messages of every slice of >= 64 bytes, with
+            # torch copies and with the copy kernel (Triton's interpreter); the defaults pack every
+            # slice of this tiny model into one round.
+            for bucket_bytes, direct_min_bytes, lead_bytes, kernels in SETTINGS:
                 src_shards = _shards(spec, critic, src, rank, full)
                 before = {k: v.clone() for k, v in src_shards.items()}
                 out, stats = execute_reallocation(plan, rank, src_shards, groups, "cpu", torch.float32, bucket_bytes,
-                                                  direct_min_bytes)
+                                                  direct_min_bytes, lead_bytes, kernels)
                 expected = _shards(spec, critic, dst, rank, full)
                 where = f"{spec.name} critic={critic} {src.mesh}/{src.layout} -> {dst.mesh}/{dst.layout} bucket={bucket_bytes}"
                 assert sorted(out) == sorted(expected), f"{where}: rank {rank} holds {sorted(out)}"
@@ -118,7 +123,7 @@ def test_grid_of_reallocations_is_exact() -> None:
     for spec, critic in CASES:
         for src, dst in PAIRS:
             expected = plan_reallocation(spec, critic, src, dst).bytes_per_link(dtype_bytes=4)
-            for _ in range(2):
+            for _ in range(len(SETTINGS)):
                 measured: dict[tuple[int, int], int] = {}
                 for rank_links in per_rank:
                     measured.update(rank_links[i])
@@ -253,11 +258,11 @@ def test_destination_slices_match_rank_params(src: Placement, dst: Placement) ->
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bucket_bytes", [64, 1000, 256 * 1024**2])
-def test_schedule_covers_every_element_once_within_bucket(bucket_bytes: int) -> None:
+@pytest.mark.parametrize("bucket_bytes,lead_bytes", [(64, 0), (1000, 0), (1000, 40), (256 * 1024**2, 32 * 1024**2)])
+def test_schedule_covers_every_element_once_within_bucket(bucket_bytes: int, lead_bytes: int) -> None:
     plan = plan_reallocation(SPEC, False, _p(0, 2, "tp2"), _p(0, 4, "tp2pp2"))
     limit = bucket_bytes // 4 // 2  # fp32 elements; two rounds in flight share a bucket
-    schedule = build_schedule(plan, 4, bucket_bytes)
+    schedule = build_schedule(plan, 4, bucket_bytes, lead_bytes=lead_bytes)
     seen: dict[object, int] = {}
     for rnd in schedule.p2p_rounds:
         per_gpu: dict[int, int] = {}
@@ -273,6 +278,19 @@ def test_schedule_covers_every_element_once_within_bucket(bucket_bytes: int) -> 
     remote = [t for t in plan.transfers if not t.is_local]
     assert seen == {t: t.numel for t in remote}
     assert set(schedule.local) == {t for t in plan.transfers if t.is_local}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("total", [1, 40, 70, 100, 300, 830, 1178, 2357, 5000])
+def test_round_sizes_ramp_up_and_down_within_the_cap(total: int) -> None:
+    cap, lead = 768, 32
+    sizes = round_sizes(total, cap, lead)
+    assert sum(sizes) == total and all(0 < s <= cap for s in sizes), sizes
+    if total >= 3 * lead:  # short first and last rounds: nothing overlaps their copies
+        assert sizes[0] == sizes[-1] == lead, sizes
+    top = sizes.index(max(sizes))
+    assert sizes[:top + 1] == sorted(sizes[:top + 1]) and sizes[top:] == sorted(sizes[top:], reverse=True), sizes
+    assert round_sizes(5000, cap, 0) == [cap] * 7  # no ramp: every round's budget is the cap
 
 
 @pytest.mark.unit
