@@ -142,10 +142,20 @@ def broadcast_groups(plan: ReallocPlan) -> tuple[tuple[int, ...], ...]:
 
 def pull_group(plan: ReallocPlan) -> tuple[int, ...] | None:
     """The member set whose group lets the executor pull inside one node (`actors/realloc_pull.py`):
-    every GPU of the plan; None when the plan spans nodes or moves nothing between GPUs. Pass it
-    to `ReallocGroups.ensure` with the broadcast groups to allow pulling."""
+    every GPU of the plan; None when the plan spans nodes or moves nothing between GPUs (local
+    copies need no peer, barrier or mapping). Pass it to `ReallocGroups.ensure` with the
+    broadcast groups to allow pulling."""
     members = plan_members(plan)
-    return members if len(members) > 1 and within_one_node(plan) else None
+    crosses = any(not t.is_local for t in plan.transfers)
+    return members if crosses and len(members) > 1 and within_one_node(plan) else None
+
+
+def release_peer_mappings() -> None:
+    """Forget this process's CUDA IPC mappings of its peers' source shards (kept between pull
+    calls so that a trained model's parameters are mapped once). A peer cannot free memory that
+    another process maps, so call this on every rank once a reallocation's sources are released
+    (a frozen model's old copy); the next pull maps its sources afresh."""
+    PULLS.clear()
 
 
 # ---- execution ------------------------------------------------------------------------------------
@@ -386,4 +396,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["COPY_PROGRAMS", "ReallocGroups", "ReallocStats", "broadcast_groups", "execute_reallocation", "pull_group"]
+__all__ = ["COPY_PROGRAMS", "ReallocGroups", "ReallocStats", "broadcast_groups", "execute_reallocation", "pull_group",
+           "release_peer_mappings"]

@@ -75,6 +75,13 @@ class PullCache:
         self._entries.move_to_end(key)
         return entry[1]
 
+    def clear(self) -> None:
+        """Drop every session and with it this process's mappings of its peers' shards."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
 
 PULLS = PullCache(max_entries=8)
 

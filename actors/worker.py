@@ -45,7 +45,7 @@ from actors.hf_io import export_hf_checkpoint, load_hf_checkpoint
 from actors.offload import ModelCopies
 from actors.optim import ShardedAdamW, adamw_config_from
 from actors.parallelize import named_trainable_parameters, norm_excluded_names
-from actors.realloc import ReallocGroups, execute_reallocation
+from actors.realloc import ReallocGroups, execute_reallocation, release_peer_mappings
 from actors.worker_calls import (
     CallContext,
     CallSpec,
@@ -268,6 +268,7 @@ class ModelWorker:
                 state.copies.after_call(dst, dst)  # keeps only the dst copy, which becomes home
             else:
                 self._forget_copies(role, state)
+            release_peer_mappings()  # the frozen model's old copy is gone: let its memory go
         self._sync_engines(state)
         end = time.time()
         return {**stats, "end": end, "seconds": moved.seconds, "bytes_sent": moved.total_sent,

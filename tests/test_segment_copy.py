@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.realloc import ReallocGroups, execute_reallocation
+from actors.realloc import ReallocGroups, execute_reallocation, pull_group, release_peer_mappings
+from actors.realloc_cache import PROGRAMS, PULLS
 from actors.realloc_copies import compile_copy_tables, local_copies
 from actors.realloc_program import compile_rank_program
 from actors.realloc_pull import PeerSources, pull_copies
@@ -126,3 +127,26 @@ def test_pull_copies_rebuild_the_destination(pair: int, bucket_bytes: int) -> No
         expected = _shards(dst, rank, full)
         assert sorted(outs) == sorted(expected), (rank, pair)
         assert all(torch.equal(outs[k], v) for k, v in expected.items()), (rank, pair)
+
+
+@pytest.mark.unit
+def test_pull_group_only_for_moves_between_gpus_of_one_node() -> None:
+    assert pull_group(plan_reallocation(SPEC, False, _p(0, 1, "tp1"), _p(0, 2, "tp2"))) == (0, 1)
+    assert pull_group(plan_reallocation(SPEC, False, _p(0, 2, "tp2"), _p(0, 2, "pp2"))) == (0, 1)
+    # All local (GPU 1 holds a full replica): nothing to pull, no group needed.
+    assert pull_group(plan_reallocation(SPEC, False, _p(0, 2, "dp2"), _p(1, 1, "tp1"))) is None
+    # From node 0 to node 1 (2 GPUs per node): CUDA IPC does not reach, NCCL moves it.
+    assert pull_group(plan_reallocation(SPEC, False, _p(0, 2, "tp2"), _p(2, 2, "tp2"))) is None
+
+
+@pytest.mark.unit
+def test_release_peer_mappings_drops_every_pull_session() -> None:
+    plan = plan_reallocation(SPEC, False, _p(0, 1, "tp1"), _p(0, 2, "tp2"))
+    shapes = {k: tuple(v.shape) for k, v in _shards(_p(0, 1, "tp1"), 0, _full(0)).items()}
+    program, schedule = PROGRAMS.get(plan, 0, 4, (1024, 64, 0), _shards(_p(0, 1, "tp1"), 0, _full(0)))
+    session = PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu"))
+    assert PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu")) is session  # kept
+    release_peer_mappings()
+    assert len(PULLS) == 0
+    assert PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu")) is not session
+    release_peer_mappings()
