@@ -53,9 +53,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from actors.realloc_buffers import Staging, copy_pairs, pack, unpack, write_runs
-from actors.realloc_cache import PROGRAMS, PULLS
-from actors.realloc_copies import DeviceTables, MessageBuffer, device_tables
-from actors.realloc_pull import plan_members, within_one_node
+from actors.realloc_cache import PROGRAMS, PULLS, device_tables
+from actors.realloc_copies import DeviceTables, MessageBuffer
+from actors.realloc_pull import PullSession, pull_group
 from actors.segment_copy import PROGRAMS as COPY_PROGRAMS
 from actors.realloc_program import RankMessage, RankProgram
 from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DEFAULT_LEAD_BYTES, DIRECT_MIN_BYTES
@@ -140,16 +140,6 @@ def broadcast_groups(plan: ReallocPlan) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted({tuple(sorted(t.group)) for t in plan.transfers if len(t.group) > 2}))
 
 
-def pull_group(plan: ReallocPlan) -> tuple[int, ...] | None:
-    """The member set whose group lets the executor pull inside one node (`actors/realloc_pull.py`):
-    every GPU of the plan; None when the plan spans nodes or moves nothing between GPUs (local
-    copies need no peer, barrier or mapping). Pass it to `ReallocGroups.ensure` with the
-    broadcast groups to allow pulling."""
-    members = plan_members(plan)
-    crosses = any(not t.is_local for t in plan.transfers)
-    return members if crosses and len(members) > 1 and within_one_node(plan) else None
-
-
 def release_peer_mappings() -> None:
     """Forget this process's CUDA IPC mappings of its peers' source shards (kept between pull
     calls so that a trained model's parameters are mapped once). A peer cannot free memory that
@@ -211,8 +201,12 @@ def execute_reallocation(
     start = time.perf_counter()
     run = _Execution(program, src, device, dtype)  # the shards returned: outside inference mode
     with torch.inference_mode():  # the views cut below are temporary: skip their autograd bookkeeping
-        pulled = members is not None and PULLS.get(plan, schedule, program, rank, tuple(src_shards), device).run(
-            src, run.flat, groups.get(members), all(t.dtype == dtype and t.is_contiguous() for t in src), copy_programs)
+        pulled = False
+        if members is not None:
+            session = PULLS.get(program, device, lambda: PullSession(plan, schedule, program, rank, tuple(src_shards),
+                                                                     device))
+            usable = all(t.dtype == dtype and t.is_contiguous() for t in src)
+            pulled = session.run(src, run.flat, groups.get(members), usable, copy_programs)
         if pull and not pulled:
             raise ValueError(f"pull=True: some rank of {members} has source shards that are not contiguous in {dtype}")
         n_messages = 0 if pulled else run.over_the_network(groups, copy_kernels, copy_programs)

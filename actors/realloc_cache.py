@@ -1,17 +1,23 @@
-"""Per-process caches of the reallocation executor (`actors/realloc.py`): compiled rank programs
-and pull sessions, keyed by plan / program identity so that a repeated reallocation does no
+"""Per-process caches of the reallocation executor (`actors/realloc.py`): compiled rank programs,
+copy-kernel tables and pull sessions, keyed by plan / program identity so that a repeated reallocation does no
 planning work. Plain data and mapped tensors, no process groups."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
+from actors.realloc_copies import DeviceTables, compile_copy_tables
 from actors.realloc_program import RankProgram, compile_rank_program
 from actors.realloc_pull import PullSession
 from actors.realloc_schedule import ReallocSchedule, build_schedule, source_offsets
+from actors.triton_support import triton_on, triton_runs
 from planning.realloc_plan import ReallocPlan
+
+T = TypeVar("T")
 
 
 _Entry = tuple[ReallocPlan, tuple[str, ...], tuple[torch.Size, ...], RankProgram, ReallocSchedule]
@@ -56,34 +62,58 @@ class ProgramCache:
 PROGRAMS = ProgramCache(max_entries=32)  # plain data, no process groups; per process
 
 
-class PullCache:
-    """Pull sessions (mapped peer shards, copy table) of recently run programs, by identity."""
+class PerProgram(Generic[T]):
+    """Values made for recently run programs (one per program and device), most recent last:
+    the copy-kernel tables and pull sessions. Keyed like `ProgramCache` by identity; entries
+    keep their program alive, so an id is never reused while its entry exists."""
 
     def __init__(self, max_entries: int) -> None:
         self._max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, str], tuple[RankProgram, PullSession]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, str], tuple[RankProgram, T]] = OrderedDict()
 
-    def get(self, plan: ReallocPlan, schedule: ReallocSchedule, program: RankProgram, rank: int,
-            names: tuple[str, ...], device: torch.device) -> PullSession:
+    def get(self, program: RankProgram, device: torch.device, make: Callable[[], T]) -> T:
+        """The value for (program, device), made by `make()` the first time."""
         key = (id(program), str(device))
         entry = self._entries.get(key)
         if entry is None or entry[0] is not program:
-            entry = (program, PullSession(plan, schedule, program, rank, names, device))
+            entry = (program, make())
             self._entries[key] = entry
             if len(self._entries) > self._max_entries:
-                self._entries.popitem(last=False)  # drops its mapped peer shards
+                self._entries.popitem(last=False)  # a pull session takes its mapped peer shards along
         self._entries.move_to_end(key)
         return entry[1]
 
     def clear(self) -> None:
-        """Drop every session and with it this process's mappings of its peers' shards."""
+        """Drop every value (for pull sessions: this process's mappings of its peers' shards)."""
         self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-PULLS = PullCache(max_entries=8)
+PULLS: PerProgram[PullSession] = PerProgram(max_entries=8)
+TABLES: PerProgram[DeviceTables | None] = PerProgram(max_entries=32)
 
 
-__all__ = ["PROGRAMS", "PULLS", "ProgramCache", "PullCache"]
+def device_tables(program: RankProgram, src: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                  copy_kernels: bool | None) -> DeviceTables | None:
+    """The copy-kernel tables to run `program`'s NCCL rounds with on this call, or None for the
+    torch copies. copy_kernels: None = on CUDA with triton when the shards are contiguous in
+    `dtype`; True = required (raises where it cannot run); False = never."""
+    if copy_kernels is False or (copy_kernels is None and not triton_on(device)):
+        return None
+    usable = all(t.dtype == dtype and t.is_contiguous() for t in src)
+    if copy_kernels and not (triton_runs(device) and usable):
+        raise ValueError(f"copy_kernels=True needs Triton on {device} (CUDA, or CPU with TRITON_INTERPRET=1) and "
+                         f"source shards contiguous in {dtype}")
+    if not usable:
+        return None
+
+    def make() -> DeviceTables | None:
+        compiled = compile_copy_tables(program, [tuple(t.shape) for t in src], src[0].element_size() if src else 2)
+        return None if compiled is None else DeviceTables(compiled, device)
+
+    return TABLES.get(program, device, make)
+
+
+__all__ = ["PROGRAMS", "PULLS", "TABLES", "PerProgram", "ProgramCache", "device_tables"]

@@ -14,7 +14,7 @@ columns makes the whole program fall back to torch (`None`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,6 @@ from torch import Tensor
 
 from actors.realloc_program import CatRun, CopyPairs, DstView, RankMessage, RankProgram, SrcView, contiguous_stride
 from actors.segment_copy import PROGRAMS, Copy2D, CopyTable, bases_aligned, launch_copies, resolve_fields, source_deltas
-from actors.triton_support import triton_on, triton_runs
 
 _Geometry = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (shard, offset, shape, stride)
 _STAGING_ALIGN = 64  # elements: staged messages start on 128-byte boundaries (bf16), for vector copies
@@ -121,46 +120,6 @@ def _upload(tables: list[tuple[CopyTable, np.ndarray | None]], device: torch.dev
     return out
 
 
-class _TableCache:
-    """Kernel tables (`actors/realloc_copies.py`) of recently run programs, per device; None where
-    a program's copies do not fit the kernel. Keyed like `realloc_cache.ProgramCache` by identity (entries
-    keep their program alive)."""
-
-    def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, str], tuple[RankProgram, DeviceTables | None]] = OrderedDict()
-
-    def get(self, program: RankProgram, shards: list[torch.Tensor], device: torch.device) -> DeviceTables | None:
-        key = (id(program), str(device))
-        entry = self._entries.get(key)
-        if entry is None or entry[0] is not program:
-            compiled = compile_copy_tables(program, [tuple(t.shape) for t in shards], shards[0].element_size()
-                                           if shards else 2)
-            entry = (program, None if compiled is None else DeviceTables(compiled, device))
-            self._entries[key] = entry
-            if len(self._entries) > self._max_entries:
-                self._entries.popitem(last=False)
-        self._entries.move_to_end(key)
-        return entry[1]
-
-
-_TABLES = _TableCache(max_entries=32)
-
-
-def device_tables(program: RankProgram, src: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                   copy_kernels: bool | None) -> DeviceTables | None:
-    """The kernel tables to run `program` with on this call, or None for the torch copies.
-    copy_kernels: None = on CUDA with triton when the shards are contiguous in `dtype`; True =
-    required (raises where it cannot run); False = never."""
-    if copy_kernels is False or (copy_kernels is None and not triton_on(device)):
-        return None
-    usable = all(t.dtype == dtype and t.is_contiguous() for t in src)
-    if copy_kernels and not (triton_runs(device) and usable):
-        raise ValueError(f"copy_kernels=True needs Triton on {device} (CUDA, or CPU with TRITON_INTERPRET=1) and "
-                         f"source shards contiguous in {dtype}")
-    return _TABLES.get(program, src, device) if usable else None
-
-
 class _Unsupported(Exception):
     """A copy the kernel cannot express (no contiguous innermost dim)."""
 
@@ -226,7 +185,7 @@ def _run_copies(runs: tuple[CatRun, ...], sources: list[_Geometry], base: int) -
         for view in run.sources:
             shard, offset, shape, stride = _src_view(sources, view)
             out.append(_copy(shard, offset, at, shape, stride, contiguous_stride(shape)))
-            at += _prod(shape)
+            at += math.prod(shape)
     return out
 
 
@@ -301,12 +260,5 @@ def _copy(src: int, src_offset: int, dst_offset: int, shape: tuple[int, ...], sr
     return Copy2D(src, src_offset, dst_offset, rows, cols, row_src, row_dst)
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 __all__ = ["DeviceTables", "MessageBuffer", "ProgramTables", "RoundTables", "block_copy", "compile_copy_tables",
-           "device_tables", "local_copies"]
+           "local_copies"]

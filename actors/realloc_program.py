@@ -19,6 +19,7 @@ does on one rank, so that a repeated reallocation does no planning work at all:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from actors.realloc_schedule import Message, ReallocSchedule, Segment, buffer_order, destination_slices
@@ -71,7 +72,7 @@ class CatRun:
 
     @property
     def numel(self) -> int:
-        return _prod(self.shape)
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,13 +380,6 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
             return False
         expected *= size
     return True
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 __all__ = ["ALIGN_BYTES", "CatRun", "CopyPairs", "DstView", "RankMessage", "RankProgram", "SrcView", "contiguous_stride",

@@ -58,6 +58,16 @@ def within_one_node(plan: ReallocPlan) -> bool:
     return len({g // plan.gpus_per_node for g in plan_members(plan)}) <= 1
 
 
+def pull_group(plan: ReallocPlan) -> tuple[int, ...] | None:
+    """The member set whose group lets the executor pull inside one node (`actors/realloc_pull.py`):
+    every GPU of the plan; None when the plan spans nodes or moves nothing between GPUs (local
+    copies need no peer, barrier or mapping). Pass it to `ReallocGroups.ensure` with the
+    broadcast groups to allow pulling."""
+    members = plan_members(plan)
+    crosses = any(not t.is_local for t in plan.transfers)
+    return members if crosses and len(members) > 1 and within_one_node(plan) else None
+
+
 class PullSession:
     """The peers' mapped source shards and the pull table of one (plan, rank) program."""
 
@@ -211,4 +221,4 @@ def _segment_in_shard(seg: Segment, shard_shape: tuple[int, ...], shard_start: i
     return offset, stride
 
 
-__all__ = ["PeerSources", "PullSession", "plan_members", "pull_copies", "within_one_node"]
+__all__ = ["PeerSources", "PullSession", "plan_members", "pull_copies", "pull_group", "within_one_node"]

@@ -14,7 +14,7 @@ from actors.realloc import ReallocGroups, execute_reallocation, pull_group, rele
 from actors.realloc_cache import PROGRAMS, PULLS
 from actors.realloc_copies import compile_copy_tables, local_copies
 from actors.realloc_program import compile_rank_program
-from actors.realloc_pull import PeerSources, pull_copies
+from actors.realloc_pull import PeerSources, PullSession, pull_copies
 from actors.realloc_schedule import build_schedule, source_offsets
 from actors.segment_copy import BLOCK_C, BLOCK_R, Copy2D, CopyTable, copy_reference, resolve_fields, source_deltas
 from actors.triton_support import triton_runs
@@ -144,9 +144,14 @@ def test_release_peer_mappings_drops_every_pull_session() -> None:
     plan = plan_reallocation(SPEC, False, _p(0, 1, "tp1"), _p(0, 2, "tp2"))
     shapes = {k: tuple(v.shape) for k, v in _shards(_p(0, 1, "tp1"), 0, _full(0)).items()}
     program, schedule = PROGRAMS.get(plan, 0, 4, (1024, 64, 0), _shards(_p(0, 1, "tp1"), 0, _full(0)))
-    session = PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu"))
-    assert PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu")) is session  # kept
+    cpu = torch.device("cpu")
+
+    def make() -> PullSession:
+        return PullSession(plan, schedule, program, 0, tuple(shapes), cpu)
+
+    session = PULLS.get(program, cpu, make)
+    assert PULLS.get(program, cpu, make) is session  # kept
     release_peer_mappings()
     assert len(PULLS) == 0
-    assert PULLS.get(plan, schedule, program, 0, tuple(shapes), torch.device("cpu")) is not session
+    assert PULLS.get(program, cpu, make) is not session
     release_peer_mappings()
