@@ -98,6 +98,12 @@ if triton_installed():
     _gqa_decode_tuned = triton.autotune(configs=_CONFIGS, key=["GROUP", "HEAD_DIM"])(_gqa_decode_kernel)
 
 
+def kernel_supports_head_dim(head_dim: int) -> bool:
+    """Whether the Triton kernel handles `head_dim` (tl.arange needs a power of two; the MMA a
+    size of at least 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def _check_shapes(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> None:
     n_seqs, n_q, head_dim = q.shape
     n_kv = k_new.shape[1]
@@ -121,7 +127,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
     n_seqs, n_q, head_dim = q.shape
     n_kv = k_new.shape[1]
     group = n_q // n_kv
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not kernel_supports_head_dim(head_dim):
         raise ValueError(f"head_dim={head_dim}: the Triton decode kernel needs a power of two >= 16")
     # Any batch/head strides (e.g. slices of a fused projection), but unit strides along head_dim.
     q, k_new, v_new = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k_new, v_new))

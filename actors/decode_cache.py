@@ -12,7 +12,8 @@ multi-head attention with `group` queries, so one fused kernel reads the cache o
 that appends the step's K/V and attends over each sequence's own length; CUDA, the default
 there), "sdpa" (one fused SDPA call with a length mask) or "matmul" (two batched matmuls and a
 float32 softmax over [B, Hkv, group, L]; on small query counts this can beat the fused kernels,
-which are tuned for long queries). "auto" resolves to "triton" where it runs, else "sdpa".
+which are tuned for long queries). "auto" resolves to "triton" where it runs and supports the
+model's head_dim (a power of two >= 16), else "sdpa".
 
 `attend_len` (a host int, default max_len) limits decode attention to the first slots; the
 generation loop raises it in buckets as sequences grow, so early steps do not read empty slots
@@ -31,28 +32,35 @@ are built once per cache; each layer then issues only its two K/V writes and the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
-from actors.decode_attention import gqa_decode_attention
+from actors.decode_attention import gqa_decode_attention, kernel_supports_head_dim
 from actors.packing import PackedBatch
 from actors.triton_support import triton_on, triton_runs
 
 DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
 
 
-def resolve_decode_kernel(kernel: str, device: torch.device | str) -> str:
-    """The decode attention kernel to use on `device`: "auto" is "triton" on CUDA with triton,
-    else "sdpa"; an explicit "triton" must be runnable there (CUDA, or CPU under the interpreter)."""
+def resolve_decode_kernel(kernel: str, device: torch.device | str, head_dims: Iterable[int] = ()) -> str:
+    """The decode attention kernel to use on `device` for layers of `head_dims`: "auto" is
+    "triton" on CUDA with triton when it supports every head_dim, else "sdpa"; an explicit
+    "triton" must be runnable there (CUDA, or CPU under the interpreter) and support them."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode attention kernel {kernel!r}: unknown; allowed: {', '.join(DECODE_KERNELS)}")
+    unsupported = sorted({d for d in head_dims if not kernel_supports_head_dim(d)})
     if kernel == "auto":
-        return "triton" if triton_on(device) else "sdpa"
+        return "triton" if triton_on(device) and not unsupported else "sdpa"
     if kernel == "triton" and not triton_runs(device):
         raise ValueError(f"decode attention kernel 'triton' cannot run on {torch.device(device)}: needs CUDA "
                          f"with triton installed (or TRITON_INTERPRET=1 on CPU); use 'auto' or 'sdpa'")
+    if kernel == "triton" and unsupported:
+        raise ValueError(f"decode attention kernel 'triton': head_dim={unsupported[0]} is not supported (needs a "
+                         f"power of two >= 16); use 'auto' or 'sdpa'")
     return kernel
 
 
@@ -108,7 +116,7 @@ class HeadMajorKVCache(KVCache):
 
     def __init__(self, layers: dict[int, CacheLayerShape], n_seqs: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, kernel: str = "auto") -> None:
-        kernel = resolve_decode_kernel(kernel, device)
+        kernel = resolve_decode_kernel(kernel, device, (shape.head_dim for shape in layers.values()))
         super().__init__({}, n_seqs, max_len, dtype, device)  # lengths and flags; buffers below
         self.kernel = kernel
         for idx, shape in layers.items():

@@ -162,11 +162,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_local_world(rank: int, world_size: int, port: int, backend: str = "gloo", threads: int = 1) -> None:
+def init_local_world(rank: int, world_size: int, port: int, backend: str = "gloo", threads: int = 1,
+                     gpu: int | None = None) -> None:
     """Join a single-host world of `world_size` processes rendezvousing on localhost:`port`.
 
-    backend "gloo" (CPU) or "nccl" (one GPU per rank: rank r uses cuda:r). Limits torch to
-    `threads` intra-op threads: tests run several processes on few cores.
+    backend "gloo" (CPU) or "nccl" (one GPU per rank: rank r uses cuda:r, or cuda:`gpu` when
+    given, e.g. 0 where each process sees only its own GPU). Limits torch to `threads` intra-op
+    threads: tests run several processes on few cores.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
@@ -176,7 +178,7 @@ def init_local_world(rank: int, world_size: int, port: int, backend: str = "gloo
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if gpu is None else gpu)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 

@@ -76,6 +76,7 @@ class ReallocStats:
     # Part of host_seconds spent inside torch.distributed calls (posting, waiting). On NCCL that is
     # host work; on gloo it includes the transfer itself, so host - comm is the executor's own work.
     comm_seconds: float = 0.0
+    pulled: bool = False  # the received bytes were read from the peers' shards (CUDA IPC), not sent
 
     @property
     def total_sent(self) -> int:
@@ -216,7 +217,7 @@ def execute_reallocation(
     stats = ReallocStats({r: n * element_bytes for r, n in program.bytes_sent},
                          {r: n * element_bytes for r, n in program.bytes_received},
                          program.local_numel * element_bytes, time.perf_counter() - start,
-                         n_messages, host_seconds, run.comm_seconds)
+                         n_messages, host_seconds, run.comm_seconds, pulled)
     return dict(zip(program.out_names, run.outs)), stats
 
 

@@ -238,7 +238,7 @@ class ModelWorker:
         """
         start = time.time()
         stats = {"role": role, "src": f"{src.mesh}/{src.layout}", "dst": f"{dst.mesh}/{dst.layout}", "start": start,
-                 "bytes_sent": 0, "bytes_received": 0, "local_bytes": 0}
+                 "bytes_sent": 0, "bytes_received": 0, "local_bytes": 0, "pulled": False}
         in_src, in_dst = self.rank in src.mesh.gpus, self.rank in dst.mesh.gpus
         if src == dst or not (in_src or in_dst):
             return {**stats, "end": time.time(), "seconds": 0.0}
@@ -272,7 +272,7 @@ class ModelWorker:
         self._sync_engines(state)
         end = time.time()
         return {**stats, "end": end, "seconds": moved.seconds, "bytes_sent": moved.total_sent,
-                "bytes_received": moved.total_received, "local_bytes": moved.local_bytes}
+                "bytes_received": moved.total_received, "local_bytes": moved.local_bytes, "pulled": moved.pulled}
 
     def _share_role(self, role: str, src: Placement, dst: Placement) -> RoleState:
         """The role's state; a rank that never loaded it learns its shapes from the first source

@@ -22,7 +22,7 @@ from planning.hardware import HARDWARE_PRESETS
 from planning.layout import Layout
 from planning.models import MODEL_PRESETS
 from app.train_config import (
-    CheckpointConfig, DataConfig, DPOConfig, PPOConfig, RewardConfig, SamplingConfig, TrackingConfig,
+    CheckpointConfig, DataConfig, DPOConfig, GRPOConfig, PPOConfig, RewardConfig, SamplingConfig, TrackingConfig,
 )
 
 
@@ -163,6 +163,7 @@ class ExperimentConfig(_Section):
     reward: RewardConfig = RewardConfig()
     sampling: SamplingConfig = SamplingConfig()
     ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     dpo: DPOConfig = DPOConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -275,6 +276,10 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError("plan.manual", cfg.plan.manual, "placements for every call when plan.mode is 'manual'")
     if cfg.plan.profile is not None and not Path(cfg.plan.profile).is_file():
         raise ConfigError("plan.profile", cfg.plan.profile, "an existing profile JSON file (python -m app profile)")
+    if cfg.algorithm == "grpo" and "kl_coef" in cfg.ppo.model_fields_set and cfg.ppo.kl_coef != 0:
+        # GRPO puts no KL penalty into the rewards: a non-zero ppo.kl_coef would be ignored silently.
+        raise ConfigError("ppo.kl_coef", cfg.ppo.kl_coef, "unset or 0 for GRPO, whose KL is a loss term: set "
+                          "grpo.kl_loss_coef (default 0.001) instead")
     seqs = cfg.batch.prompts * (cfg.batch.group_size if cfg.algorithm == "grpo" else 1)
     if cfg.algorithm in ("ppo", "grpo") and seqs % cfg.batch.ppo_minibatches:
         raise ConfigError("batch.ppo_minibatches", cfg.batch.ppo_minibatches,

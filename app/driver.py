@@ -43,8 +43,8 @@ from app.runtime import (
 )
 from app.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
 from app.timeline import (
-    TimelineRecord, append_records, records_of, rollout_metrics, span, throughput, timing_metrics, timing_table,
-    write_gantt,
+    TimelineRecord, append_records, realloc_metrics, records_of, rollout_metrics, span, throughput, timing_metrics,
+    timing_table, write_gantt,
 )
 from app.tracking import Tracker
 from cluster.placement import WorkerGroup
@@ -261,17 +261,21 @@ class Driver:
         metas = self._wait(pending)
         records: list[TimelineRecord] = []
         call_metas: dict[str, list[dict[str, Any]]] = {}
+        realloc_metas: list[Any] = []
         for sub in pending.ops:
             records += records_of(pending.iteration, sub.name, sub.kind, sub.ranks, metas[sub])
             if sub.kind == "call":
                 call_metas[sub.name] = [m for m in metas[sub] if isinstance(m, dict)]
+            elif sub.kind == "realloc":
+                realloc_metas += metas[sub]
         if pending.checkpoint is not None:
             exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
             mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
-        metrics = {**timing_metrics(records, self._previous_end), **rollout_metrics(call_metas, kinds)}
+        metrics = {**timing_metrics(records, self._previous_end), **realloc_metrics(realloc_metas),
+                   **rollout_metrics(call_metas, kinds)}
         metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self._n_sequences(),
                                                 self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]

@@ -84,6 +84,18 @@ def timing_metrics(records: Sequence[TimelineRecord], previous_end: float | None
     return metrics
 
 
+def realloc_metrics(metas: Sequence[Any]) -> dict[str, float]:
+    """Traffic of one iteration's reallocations from the ranks' metadata (dicts from
+    `Worker.reallocate`): realloc/received_gb (from other GPUs, summed over ranks),
+    realloc/pulled_gb (the part read straight from peers' memory over CUDA IPC, not sent with
+    NCCL) and realloc/local_gb (copied on the same GPU)."""
+    dicts = [m for m in metas if isinstance(m, dict)]
+    received = sum(float(m.get("bytes_received", 0)) for m in dicts)
+    pulled = sum(float(m.get("bytes_received", 0)) for m in dicts if m.get("pulled"))
+    local = sum(float(m.get("local_bytes", 0)) for m in dicts)
+    return {"realloc/received_gb": received / 1e9, "realloc/pulled_gb": pulled / 1e9, "realloc/local_gb": local / 1e9}
+
+
 def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str, str]) -> dict[str, float]:
     """veRL-named scalars averaged over the ranks reporting them; rewards and response lengths
     from the owners' metadata where no call reported `rollout/reward_mean` and

@@ -89,6 +89,18 @@ class PPOConfig(TrainSection):
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
 
 
+class GRPOConfig(TrainSection):
+    """GRPO (algorithm: grpo): the KL to the reference is a loss term, not a reward penalty
+    (ppo.kl_coef does not apply). kl_loss_coef / kl_loss_estimator as veRL's actor.kl_loss_coef
+    (0.001) and kl_loss_type (low_var_kl); scale_by_std: divide the group-centred rewards by the
+    group's std (False: Dr. GRPO). The group size is batch.group_size; clipping, epochs,
+    minibatches and loss aggregation come from the ppo section."""
+
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_estimator: Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    scale_by_std: bool = True
+
+
 class DPOConfig(TrainSection):
     """DPO (algorithm: dpo). beta: strength of the implicit KL to the reference; label_smoothing:
     conservative DPO's assumed label noise; lr: the actor's learning rate. Preference files

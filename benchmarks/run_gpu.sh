@@ -27,8 +27,10 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *profile* ]] && run profile python3 -m app profile --out "$out/profile.json"
 # PPO on two H200s; Ray without its dashboard on this machine (cluster/resources.py honours it).
 # With the profile just measured, the plan's per-call estimates use the measured efficiencies.
+# PPO_ARGS: more dotted overrides, e.g. a manual plan (docs/benchmarks.md has the one used).
 profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/profile.json")
 [[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
-  run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}"
+  run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}" \
+  ${PPO_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" .
 exit 0

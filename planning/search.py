@@ -90,9 +90,13 @@ def symmetric_baseline(problem: PlanningProblem, iterations: int = 3) -> tuple[E
 def search_plan(
     problem: PlanningProblem, mode: str = "search", seconds: float = 60.0, seed: int = 0,
     manual: ExecutionPlan | None = None, options: CandidateOptions | None = None,
-    max_steps: int | None = None, iterations: int = 3,
+    max_steps: int | None = None, iterations: int = 3, space_type: type[PlanSpace] = PlanSpace,
 ) -> SearchResult:
-    """Find (or, in manual mode, evaluate) a plan; see the module docstring for the modes."""
+    """Find (or, in manual mode, evaluate) a plan; see the module docstring for the modes.
+
+    space_type: the evaluator of the search and exhaustive modes; a subclass can relax the model
+    for what-if bounds (benchmarks/search_bench.py's relaxed bound). The baseline always uses
+    PlanSpace itself."""
     if mode not in MODES:
         raise ValueError(f"search mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
     if seconds <= 0:
@@ -122,8 +126,8 @@ def search_plan(
     extra = {name: [p] for name, p in baseline_plan.placements} if baseline_plan else None
     candidates = call_candidates(problem, costs, options, extra)
     # Rank with the closed-form reallocation estimate, then re-score the best with the exact one.
-    fast = PlanSpace(problem, candidates, iterations, costs, ReallocCache(problem, exact=False))
-    exact = PlanSpace(problem, candidates, iterations, costs, ReallocCache(problem, exact=True))
+    fast = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=False))
+    exact = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=True))
     elites = _Elites()
     if mode == "exhaustive":
         evaluated, history = _exhaustive(fast, start, elites)

@@ -5,7 +5,8 @@
 `fn` must be importable by module and name (a top-level function of a test module or package),
 and its return value picklable. Every process joins a localhost gloo world on a free port with
 one torch thread before `fn` runs (backend="nccl": an NCCL world, rank r on cuda:r), and leaves
-it afterwards. If any rank raises, the others are terminated (they may be stuck in a
+it afterwards; with one_gpu_each=True rank r sees only GPU r, as cuda:0, the way Ray
+starts a GPU actor (CUDA_VISIBLE_DEVICES set to its one GPU). If any rank raises, the others are terminated (they may be stuck in a
 collective) and a RuntimeError carries every rank's traceback.
 Spawn once per world size and loop over cases inside `fn`: starting a process costs seconds.
 """
@@ -13,6 +14,7 @@ Spawn once per world size and loop over cases inside `fn`: starting a process co
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -23,11 +25,11 @@ from actors.distributed import free_port, init_local_world
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, args: tuple[Any, ...],
-            results: Any) -> None:
+            results: Any, gpu: int | None) -> None:
     import torch.distributed as dist
 
     try:
-        init_local_world(rank, world_size, port, backend)
+        init_local_world(rank, world_size, port, backend, gpu=gpu)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -47,19 +49,33 @@ def _missing_reason(exitcode: int | None) -> str:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-                    backend: str = "gloo") -> list[Any]:
+                    backend: str = "gloo", one_gpu_each: bool = False) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` processes; return values by rank.
 
-    backend "nccl" gives rank r the GPU cuda:r (gpu-tier tests)."""
+    backend "nccl" gives rank r the GPU cuda:r (gpu-tier tests); one_gpu_each=True makes GPU r
+    the only one rank r sees (cuda:0 there)."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")
+    if one_gpu_each and backend != "nccl":
+        raise ValueError(f"one_gpu_each=True needs backend='nccl', got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, args, results), daemon=True)
+    gpu = 0 if one_gpu_each else None
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, args, results, gpu), daemon=True)
              for r in range(world_size)]
-    for proc in procs:
-        proc.start()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for r, proc in enumerate(procs):
+            if one_gpu_each:  # a spawned child starts with the parent's environment as it is now
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[r] if visible else str(r)
+            proc.start()
+    finally:
+        if one_gpu_each:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s

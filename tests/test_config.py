@@ -82,6 +82,23 @@ def test_grpo_groups_and_reward_defaults_to_actor_without_critic() -> None:
     assert "critic" not in problem.models
 
 
+def test_grpo_kl_is_its_own_loss_coefficient_not_ppo_kl_coef() -> None:
+    from app.algorithms import settings_from_config
+
+    grpo_batch = {"prompts": 4, "prompt_len": 8, "gen_len": 8, "ppo_minibatches": 2, "group_size": 4}
+    raw = tiny_raw(algorithm="grpo", models={"actor": {"preset": "tiny"}}, batch=grpo_batch)
+    settings = settings_from_config(validate_config(raw), None, None, None)
+    assert settings.grpo is not None and settings.grpo.kl_loss_coef == 0.001  # veRL's default
+    assert settings.grpo.kl_loss_estimator == "low_var_kl" and settings.grpo.scale_by_std
+    raw["grpo"] = {"kl_loss_coef": 0.02, "kl_loss_estimator": "k1", "scale_by_std": False}
+    settings = settings_from_config(validate_config(raw), None, None, None)
+    assert (settings.grpo.kl_loss_coef, settings.grpo.kl_loss_estimator, settings.grpo.scale_by_std) == (0.02, "k1", False)
+    error = expect_error({**raw, "ppo": {"kl_coef": 0.05}}, "ppo.kl_coef")
+    assert "grpo.kl_loss_coef" in str(error)
+    expect_error({**raw, "grpo": {"kl_loss_coef": -1.0}}, "grpo.kl_loss_coef")
+    validate_config({**raw, "ppo": {"kl_coef": 0.0}})  # no reward penalty: consistent with GRPO
+
+
 def test_overrides_parse_yaml_scalars_and_nest(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tiny_raw()))

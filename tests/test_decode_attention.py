@@ -69,6 +69,10 @@ def test_kernel_rejects_bad_shapes() -> None:
 def test_kernel_choice() -> None:
     assert resolve_decode_kernel("auto", "cpu") == "sdpa"
     assert resolve_decode_kernel("triton", DEVICE) == "triton"
+    assert resolve_decode_kernel("auto", DEVICE, head_dims=[8]) == "sdpa"  # tiny test models' heads
+    assert resolve_decode_kernel("auto", DEVICE, head_dims=[64, 128]) == ("triton" if DEVICE == "cuda" else "sdpa")
+    with pytest.raises(ValueError, match="head_dim=8 is not supported"):
+        resolve_decode_kernel("triton", DEVICE, head_dims=[64, 8])
     with pytest.raises(ValueError, match="allowed: auto, triton, sdpa, matmul"):
         resolve_decode_kernel("flash", DEVICE)
 

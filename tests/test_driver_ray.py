@@ -78,6 +78,10 @@ def test_default_config_runs_three_iterations_with_overlap(ray_session: None, tm
     for name in ISSUE_METRICS:
         assert all(m.get(name) is not None for m in metrics), name
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 for m in metrics)
+    # The actor's tp2 -> dp2 move each iteration: each GPU keeps its half and receives the other
+    # (over gloo here: nothing is pulled, which needs CUDA).
+    assert all(m["realloc/received_gb"] > 0 and m["realloc/local_gb"] > 0 for m in metrics)
+    assert all(m["realloc/pulled_gb"] == 0 for m in metrics)
     plan = json.loads((tmp_path / "plan.json").read_text())
     layouts = {call["layout"] for call in plan["calls"]}
     assert {"dp2tp1pp1", "dp1tp2pp1"} <= layouts  # different layouts for different calls

@@ -17,7 +17,7 @@ from app.schedule import (
     CallOp, ReallocOp, ReleaseOp, data_owners, dp_rows, home_placements, iteration_ops, realloc_member_sets,
     shards_needed,
 )
-from app.timeline import TimelineRecord, rollout_metrics, throughput, timing_metrics
+from app.timeline import TimelineRecord, realloc_metrics, rollout_metrics, throughput, timing_metrics
 from planning.layout import Layout, Mesh
 from planning.plan import Placement
 
@@ -98,6 +98,19 @@ def test_timing_metrics_span_ranks_and_count_overlap() -> None:
     assert metrics["timing_s/realloc"] == pytest.approx(1.0)
     assert metrics["timing_s/iteration"] == pytest.approx(5.0)
     assert timing_metrics(records, None)["timing_s/iteration"] == pytest.approx(4.0)
+
+
+def test_realloc_metrics_sum_traffic_over_ranks_and_split_pulled_bytes() -> None:
+    metas = [
+        {"bytes_received": 2e9, "local_bytes": 1e9, "pulled": True},
+        {"bytes_received": 1e9, "local_bytes": 0, "pulled": False},
+        None,  # a rank outside both meshes reports nothing
+        {"bytes_received": 0, "local_bytes": 5e8, "pulled": False},
+    ]
+    m = realloc_metrics(metas)
+    assert m == {"realloc/received_gb": pytest.approx(3.0), "realloc/pulled_gb": pytest.approx(2.0),
+                 "realloc/local_gb": pytest.approx(1.5)}
+    assert realloc_metrics([]) == {"realloc/received_gb": 0.0, "realloc/pulled_gb": 0.0, "realloc/local_gb": 0.0}
 
 
 def test_rollout_metrics_use_owners_and_average_named_scalars() -> None:

@@ -2,7 +2,9 @@
 of the executor (pull over CUDA IPC, NCCL rounds with the copy kernel, NCCL rounds with torch
 copies) gives exactly the destination slices of the full model for the test pairs and a
 replication (tp1 on GPU 0 -> dp2 on both), in fp32 and bf16, also when the same plan runs again
-with new source tensors (the pull path maps them anew).
+with new source tensors (the pull path maps them anew); and the same again where each process
+sees only its own GPU, as under Ray (the peers' shards are then mapped from a GPU the process
+cannot name).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ PATHS = {"pull": {"pull": True}, "nccl+kernel": {"pull": False, "copy_kernels": 
          "nccl+torch": {"pull": False, "copy_kernels": False}}
 
 
-def _moves(rank: int, world_size: int) -> list[str]:
-    device = torch.device("cuda", rank)
+def _moves(rank: int, world_size: int, one_gpu_each: bool = False) -> list[str]:
+    device = torch.device("cuda", 0 if one_gpu_each else rank)
+    if one_gpu_each:
+        assert torch.cuda.device_count() == 1, "the harness should leave each rank only its own GPU"
     groups = ReallocGroups()
     checked = []
     for src, dst in PAIRS + [(_p(0, 1, "tp1"), _p(0, 2, "dp2"))]:
@@ -44,4 +48,11 @@ def _moves(rank: int, world_size: int) -> list[str]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_every_path_is_exact_on_two_gpus() -> None:
     results = run_distributed(_moves, 2, backend="nccl", timeout_s=300)
+    assert results[0] == results[1] and len(results[0]) == 3 * (len(PAIRS) + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_every_path_is_exact_with_one_visible_gpu_per_process() -> None:
+    results = run_distributed(_moves, 2, True, backend="nccl", timeout_s=300, one_gpu_each=True)
     assert results[0] == results[1] and len(results[0]) == 3 * (len(PAIRS) + 1)

@@ -70,7 +70,11 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     hp = PPOHyperparams(kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam, clip_eps=p.clip_eps,
                         value_clip=p.value_clip_eps, whiten=p.adv_norm, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
                         ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed)
-    group = GRPOHyperparams(group_size=b.group_size, kl_loss_coef=p.kl_coef) if cfg.algorithm == "grpo" else None
+    group = None
+    if cfg.algorithm == "grpo":
+        g = cfg.grpo
+        group = GRPOHyperparams(group_size=b.group_size, kl_loss_coef=g.kl_loss_coef,
+                                kl_loss_estimator=g.kl_loss_estimator, scale_by_std=g.scale_by_std)
     pairs = None
     if cfg.algorithm == "dpo":
         pairs = DPOHyperparams(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing, epochs=b.ppo_epochs,
