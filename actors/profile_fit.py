@@ -2,12 +2,14 @@
 
 `predicted_seconds` asks the planner's cost model for the same work actors/profiler.py times
 (a train step, an optimizer step, decode steps of two lengths); `fit_efficiency` solves for the
-OpEfficiency factors (gemm, optimizer, decode) under which the predictions equal the measurements.
+OpEfficiency factors (gemm, optimizer, decode) under which the predictions equal the measurements;
+`fit_tp_comm` then solves `tp_comm` from the same forward+backward run with tensor parallelism.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from actors.profiler import MIN_EFFICIENCY, EngineTiming, ProfileSettings
 from planning.cost import ModelRole, PlanningProblem, call_cost_levels
@@ -23,23 +25,53 @@ def predicted_seconds(hw: HardwareSpec, eff: OpEfficiency, settings: ProfileSett
     fwd_bwd_s and optimizer_s of the train batch (one micro-batch), decode_step_s (generation
     of the longer minus the shorter response length, per extra step)."""
     b = settings
+    problem, placement = _profile_problem(hw, eff, settings, tp=1)
+    parts = _train_parts(problem, placement, settings)
+    decode = [call_cost_levels(problem, problem.graph.mfc(f"profile_decode_{n}"), placement)[0].time_s
+              for n in b.decode_steps]
+    return {
+        "fwd_bwd_s": _fwd_bwd_s(parts),
+        "optimizer_s": parts["optimizer_s"],
+        "decode_step_s": (decode[1] - decode[0]) / (b.decode_steps[1] - b.decode_steps[0]),
+    }
+
+
+def predicted_tp_fwd_bwd_s(hw: HardwareSpec, eff: OpEfficiency, settings: ProfileSettings, tp: int) -> float:
+    """The cost model's forward+backward of the train batch with layout tp=`tp` on one node."""
+    problem, placement = _profile_problem(hw, eff, settings, tp)
+    return _fwd_bwd_s(_train_parts(problem, placement, settings))
+
+
+def fit_tp_comm(hw: HardwareSpec, eff: OpEfficiency, settings: ProfileSettings, tp: int, measured_s: float) -> float:
+    """The `tp_comm` factor under which the predicted tp forward+backward (with `eff`'s other
+    factors: gemm and decode fitted at tp=1, comm from the raw collectives) equals `measured_s`:
+    it folds in whatever the tp all-reduces cost inside real steps beyond a bare all-reduce
+    (launch gaps, ranks waiting for each other)."""
+    return solve_efficiency(measured_s, lambda e: predicted_tp_fwd_bwd_s(hw, replace(eff, tp_comm=e), settings, tp))
+
+
+def _profile_problem(hw: HardwareSpec, eff: OpEfficiency, settings: ProfileSettings,
+                     tp: int) -> tuple[PlanningProblem, Placement]:
+    b = settings
     train = MFC("profile_train", "actor", "train", ("prompts",), ("trained",),
                 BatchShape(b.train_seqs, b.train_seq_len, 0))
     short, long = (MFC(f"profile_decode_{n}", "actor", "generate", ("prompts",), (f"responses_{n}",),
                        BatchShape(b.decode_batch, b.decode_prompt_len, n)) for n in b.decode_steps)
-    problem = PlanningProblem(Graph("profile", (train, short, long)), ClusterSpec(1, 1, hw),
+    problem = PlanningProblem(Graph("profile", (train, short, long)), ClusterSpec(1, tp, hw),
                               {"actor": ModelRole(b.model, critic=False)}, eff)
-    placement = Placement(Mesh(0, 1, 1), Layout())
-    parts = call_cost_levels(problem, train, placement)[0].breakdown
+    return problem, Placement(Mesh(0, tp, tp), Layout(tp=tp))
+
+
+def _train_parts(problem: PlanningProblem, placement: Placement, settings: ProfileSettings) -> dict[str, float]:
+    parts = call_cost_levels(problem, problem.graph.mfc("profile_train"), placement)[0].breakdown
     if parts["micro_batches"] != 1:
-        raise ValueError(f"train batch {b.train_seqs} x {b.train_seq_len}: the cost model splits it into "
-                         f"{parts['micro_batches']:.0f} micro-batches; the profile runs one")
-    decode = [call_cost_levels(problem, mfc, placement)[0].time_s for mfc in (short, long)]
-    return {
-        "fwd_bwd_s": parts["compute_s"] + parts["kernel_overhead_s"] + parts["tp_comm_s"],
-        "optimizer_s": parts["optimizer_s"],
-        "decode_step_s": (decode[1] - decode[0]) / (b.decode_steps[1] - b.decode_steps[0]),
-    }
+        raise ValueError(f"train batch {settings.train_seqs} x {settings.train_seq_len}: the cost model splits it "
+                         f"into {parts['micro_batches']:.0f} micro-batches; the profile runs one")
+    return parts
+
+
+def _fwd_bwd_s(parts: dict[str, float]) -> float:
+    return parts["compute_s"] + parts["elementwise_s"] + parts["kernel_overhead_s"] + parts["tp_comm_s"]
 
 
 def solve_efficiency(measured_s: float, predict: Callable[[float], float]) -> float:
@@ -82,4 +114,4 @@ def fit_efficiency(hw: HardwareSpec, settings: ProfileSettings, timing: EngineTi
     return OpEfficiency(gemm=gemm, decode=decode, optimizer=optimizer)
 
 
-__all__ = ["fit_efficiency", "predicted_seconds", "solve_efficiency"]
+__all__ = ["fit_efficiency", "fit_tp_comm", "predicted_seconds", "predicted_tp_fwd_bwd_s", "solve_efficiency"]

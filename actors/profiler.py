@@ -12,8 +12,9 @@ Each measurement is small and bounded (sized for about a minute on one H200; sec
   [tokens x hidden] x [hidden x 4 hidden] (reported beside it);
 * a device-to-device copy -> `hbm_bw` (read + write bytes per second);
 * with >= 2 ranks (spawned local processes, NCCL on GPU, gloo on CPU): broadcast bandwidth ->
-  `intra_node_bw`, a 4-byte all-reduce -> `collective_latency_s`, and the all-reduce bandwidth
-  relative to the broadcast one -> efficiency `comm`;
+  `intra_node_bw`, a 4-byte all-reduce -> `collective_latency_s`, and the engine's
+  forward+backward with tp = ranks -> efficiency `comm` (the share of the link rate the tp
+  all-reduces reach inside real steps; actors/profile_fit.py);
 * a forward+backward and an optimizer step of the engine on a cut-down model, and the decode
   steps of `actors.generate.generate`, each compared with the cost model's prediction for the
   same shapes (planning.cost) -> efficiencies `gemm`, `optimizer` and `decode`: the factor in
@@ -151,7 +152,8 @@ def copy_bandwidth(settings: ProfileSettings) -> float:
 @dataclass(frozen=True)
 class CollectiveTiming:
     """Median seconds (of the slowest rank) of one all-reduce and one broadcast of `nbytes`
-    (float32) over `ranks` processes, and of a 4-byte all-reduce (the fixed cost of a collective)."""
+    (float32) over `ranks` processes, of a 4-byte all-reduce (the fixed cost of a collective),
+    and of the engine's forward+backward under tensor parallelism over the ranks."""
 
     ranks: int
     backend: str
@@ -159,6 +161,9 @@ class CollectiveTiming:
     allreduce_s: float
     broadcast_s: float
     small_allreduce_s: float
+    # The engine's forward+backward of the settings' train batch with tp = ranks (slowest rank):
+    # what the tp all-reduces cost inside real steps, which the fit of `comm` uses.
+    tp_fwd_bwd_s: float = float("nan")
 
     @property
     def broadcast_bw(self) -> float:
@@ -205,18 +210,21 @@ def collective_rank(rank: int, ranks: int, port: int, backend: str, settings: Pr
             dist.barrier()  # every rank starts the loop together, so rank 0 does not time a wait
             return median_seconds(fn, device, settings.warmup + 1, reps)
 
-        seconds = torch.tensor([
+        timings = [
             timed(lambda: dist.all_reduce(big), settings.reps),
             timed(lambda: dist.broadcast(big, src=0), settings.reps),
             timed(lambda: dist.all_reduce(small), 10 * settings.reps),
-        ], dtype=torch.float64, device=device)
+        ]
+        del big
+        timings.append(_tp_fwd_bwd_seconds(settings, device, ranks))
+        seconds = torch.tensor(timings, dtype=torch.float64, device=device)
         # The slowest rank's time: a broadcast's root can finish before its receivers do.
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         if rank == 0:
-            allreduce_s, broadcast_s, small_s = seconds.tolist()
+            allreduce_s, broadcast_s, small_s, tp_s = seconds.tolist()
             Path(result).write_text(json.dumps({
-                "ranks": ranks, "backend": backend, "nbytes": big.numel() * 4, "allreduce_s": allreduce_s,
-                "broadcast_s": broadcast_s, "small_allreduce_s": small_s}))
+                "ranks": ranks, "backend": backend, "nbytes": settings.comm_bytes // 4 * 4, "allreduce_s": allreduce_s,
+                "broadcast_s": broadcast_s, "small_allreduce_s": small_s, "tp_fwd_bwd_s": tp_s}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -240,17 +248,15 @@ class EngineTiming:
         return (self.decode_long_s - self.decode_short_s) / (steps[1] - steps[0])
 
 
-def measure_engine(settings: ProfileSettings) -> EngineTiming:
-    """Time a train step (split into forward+backward and optimizer) and generation of the model."""
-    from actors.distributed import ParallelGroups
+def _engine_and_fwd_bwd(settings: ProfileSettings, device: torch.device, groups: Any) -> tuple[Any, Callable[[], None]]:
+    """An engine of the settings' model over `groups` and a forward+backward of the settings'
+    train batch (one micro-batch, SFT loss on every token) on it."""
     from actors.engine import ModelEngine, SequenceBatch
     from actors.losses import LossSums, sft_loss
     from actors.optim import AdamWConfig
 
-    device = torch.device(settings.device)
     spec = settings.model
-    engine = ModelEngine(spec, False, ParallelGroups.serial(), device, settings.dtype, seed=0,
-                         optim_config=AdamWConfig(lr=1e-6))
+    engine = ModelEngine(spec, False, groups, device, settings.dtype, seed=0, optim_config=AdamWConfig(lr=1e-6))
     gen = torch.Generator().manual_seed(0)
     n_tokens = settings.train_seqs * settings.train_seq_len
     batch = SequenceBatch(torch.randint(0, spec.vocab_size, (n_tokens,), generator=gen),
@@ -262,6 +268,30 @@ def measure_engine(settings: ProfileSettings) -> EngineTiming:
     def fwd_bwd() -> None:
         engine.optimizer.zero_grad()
         engine.backward_step(batch, loss_fn)
+
+    return engine, fwd_bwd
+
+
+def _tp_fwd_bwd_seconds(settings: ProfileSettings, device: torch.device, ranks: int) -> float:
+    """Median seconds of the forward+backward with tp = every rank of the world (collective)."""
+    from actors.distributed import build_parallel_groups
+    from planning.layout import Layout
+
+    groups = build_parallel_groups(Layout(tp=ranks))
+    engine, fwd_bwd = _engine_and_fwd_bwd(settings, device, groups)
+    dist.barrier()
+    seconds = median_seconds(fwd_bwd, device, settings.warmup, settings.reps)
+    del engine
+    return seconds
+
+
+def measure_engine(settings: ProfileSettings) -> EngineTiming:
+    """Time a train step (split into forward+backward and optimizer) and generation of the model."""
+    from actors.distributed import ParallelGroups
+
+    device = torch.device(settings.device)
+    engine, fwd_bwd = _engine_and_fwd_bwd(settings, device, ParallelGroups.serial())
+    n_tokens = settings.train_seqs * settings.train_seq_len
 
     def step() -> None:  # grads of the last fwd_bwd are still there: the step reads them again
         engine.optimizer.step(grad_scale=1.0 / n_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 from dataclasses import asdict, replace
@@ -137,7 +138,7 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
     """Run every microbenchmark and return the profile JSON object: the measured HardwareSpec
     fields at top level, "efficiency", "preset" and "measurements" (raw numbers, the cost model's
     seconds at the preset and at the profile beside the measured ones, machine, date)."""
-    from actors.profile_fit import fit_efficiency, predicted_seconds
+    from actors.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
     from actors.profiler import MIN_EFFICIENCY, measure_engine, measure_hardware
 
     timing = measure_engine(settings)  # first: spawned collective processes leave load behind on CPU
@@ -146,14 +147,25 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
     efficiency = asdict(fit_efficiency(hw, settings, timing))
     collectives = hardware.collectives
     if collectives is None:
-        del efficiency["comm"]  # not measured: the loader's default (1.0) stays
+        del efficiency["comm"], efficiency["tp_comm"]  # not measured: the loader's defaults (1.0) stay
     else:
         # intra_node_bw is the broadcast rate; all-reduces reach this share of it.
         efficiency["comm"] = min(1.0, max(MIN_EFFICIENCY, collectives.allreduce_bw / collectives.broadcast_bw))
+        if math.isfinite(collectives.tp_fwd_bwd_s):
+            # The tp all-reduces as they perform inside the engine's steps (fitted on the tp run).
+            efficiency["tp_comm"] = fit_tp_comm(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks,
+                                                collectives.tp_fwd_bwd_s)
+        else:
+            del efficiency["tp_comm"]
     observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
                 "decode_step_s": timing.decode_step_s(settings.decode_steps)}
     at_preset = predicted_seconds(preset, OpEfficiency(), settings)
     at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
+    if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
+        tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
+        observed[tp_key] = collectives.tp_fwd_bwd_s
+        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, OpEfficiency(), settings, collectives.ranks)
+        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
     h = settings.model.hidden_size
     measurements = {
         "machine": machine_info(settings, ranks),

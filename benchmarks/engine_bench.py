@@ -12,6 +12,8 @@ head_dim per layer (QK^T and AV, halved for causality, with s the sequence lengt
 
     python3 benchmarks/engine_bench.py                # GPU: tp=1 and (with 2 GPUs) tp=2
     python3 benchmarks/engine_bench.py --cpu --tiny   # a seconds-long check on CPU
+    python3 benchmarks/engine_bench.py --profile      # also: top kernels and GPU time by kernel kind
+                                                      # (matmul, attention, NCCL, other) per step
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
     train_s = timed(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), args.steps)
     with torch.no_grad():
         fwd_s = timed(lambda: engine.forward_logprobs(batch, n_micro=args.n_micro), args.steps)
-    if args.profile and rank == 0 and not args.cpu:
-        print_profile(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), f"train step, tp={world}")
+    if args.profile and not args.cpu:  # every rank runs the step (collectives); rank 0 prints
+        print_profile(lambda: engine.train_step(batch, loss_fn, n_micro=args.n_micro), f"train step, tp={world}",
+                      rank == 0)
+        with torch.no_grad():
+            print_profile(lambda: engine.forward_logprobs(batch, n_micro=args.n_micro), f"forward, tp={world}",
+                          rank == 0)
     if rank == 0:
         n_tokens = sum(batch.lengths)
         out[world] = {
@@ -114,16 +120,43 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
               f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB", flush=True)
 
 
-def print_profile(step: Callable[[], object], title: str) -> None:
-    """The top CUDA kernels of one call of `step` (where the time of a step goes)."""
+def print_profile(step: Callable[[], object], title: str, show: bool) -> None:
+    """The top CUDA kernels of one call of `step` and GPU time by kernel kind (printed when
+    `show`), i.e. where the time of a step goes."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    if not show:
+        return
     print(f"profile of one {title}:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA":  # kernels only: CPU ops repeat their kernels' time
+            kind = kernel_category(event.key)
+            totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total / 1e3
+    whole = sum(totals.values())
+    print(f"GPU kernel time by kind, {title}: " + ", ".join(
+        f"{k} {v:.1f} ms ({v / whole:.0%})" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])), flush=True)
+
+
+# Substrings of kernel names, first match wins: where a step's GPU time goes.
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "attn")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mm_", "sm90", "sm80")),
+                ("logprobs", ("logprob", "logsumexp", "cross_entropy")),
+                ("optimizer", ("adam", "foreach", "multi_tensor")))
+
+
+def kernel_category(name: str) -> str:
+    """gemm, attention, nccl, logprobs, optimizer, or other (elementwise, norms, copies)."""
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
 
 
 def spawn(world: int, args: argparse.Namespace) -> dict:

@@ -5,6 +5,9 @@ GPU's bf16 peak or streaming the stage's weights from HBM once per micro-batch a
 whichever is slower; decode steps as weight + KV-cache streaming against HBM bandwidth (or
 FLOPs); sampling every step; plus the communication each parallel dimension implies:
 
+* non-matmul ops (norms, residual adds, rotary, activations) as HBM traffic per token and block
+  (`planning.cost_terms.ELEMENTWISE_BYTES_PER_HIDDEN`: measured), most of it whole on every tp
+  rank since the engine has no sequence parallelism;
 * tp: 2 all-reduces of (tokens, hidden) bf16 per layer forward, 2 more backward, ring cost
   2(tp-1)/tp * bytes / NVLink bandwidth (tp groups never leave a node);
 * pp: 1F1B bubble (pp-1)/n_micro of the stage time, plus p2p activation sends between stages;
@@ -196,7 +199,7 @@ class _Links:
         self.flops = hw.peak_flops * eff.gemm
         self.hbm = hw.hbm_bw * eff.decode
         self.opt_hbm = hw.hbm_bw * eff.optimizer
-        self.tp_bw = hw.intra_node_bw * eff.comm
+        self.tp_bw = hw.intra_node_bw * eff.comm * eff.tp_comm
         self.dp_bw = dp_bandwidth(hw, layout, m) * eff.comm
         self.pp_bw = p2p_bandwidth(hw, mesh.size, m) * eff.comm
         self.lat = hw.collective_latency_s
@@ -217,12 +220,14 @@ def _pass_time(
     # weights from HBM once, so short micro-batches are memory-bound, not free.
     matmul_s = mb_tokens * geo.stage_flops_per_token(ctx) / links.flops
     compute = passes * n_micro * max(matmul_s, 2.0 * geo.stage_params / links.hbm)
+    # Norms, residuals, rotary, activations: memory-bound, and mostly not split by tp.
+    elementwise = passes * tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.hw.hbm_bw
     overhead = passes * n_micro * geo.stage_layers * links.hw.kernel_overhead_s
     # 2 all-reduces of a (mb_tokens, hidden) bf16 activation per layer per direction.
     directions = 1 if passes == 1 else 2
     tp = directions * n_micro * geo.stage_layers * 2 * allreduce_s(mb_tokens * hidden * 2, layout.tp, links.tp_bw, links.lat)
-    stage = compute + overhead + tp
-    out = {"compute_s": compute, "kernel_overhead_s": overhead, "tp_comm_s": tp}
+    stage = compute + elementwise + overhead + tp
+    out = {"compute_s": compute, "elementwise_s": elementwise, "kernel_overhead_s": overhead, "tp_comm_s": tp}
     if layout.pp > 1:
         out["pp_bubble_s"] = stage * (layout.pp - 1) / n_micro
         # Each micro-batch crosses pp-1 stage boundaries per direction; sends overlap compute

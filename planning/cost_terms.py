@@ -26,6 +26,7 @@ class OpEfficiency:
     gemm: float = 1.0  # prefill / forward / backward matmuls vs peak_flops
     decode: float = 1.0  # decode weight + KV streaming vs hbm_bw
     comm: float = 1.0  # collectives and p2p vs link bandwidths
+    tp_comm: float = 1.0  # tp all-reduces inside real forward/backward steps, on top of comm
     optimizer: float = 1.0  # Adam step streaming vs hbm_bw
 
     def __post_init__(self) -> None:
@@ -43,6 +44,20 @@ class OpEfficiency:
         return OpEfficiency(**{k: float(v) for k, v in data.items()})
 
 
+# Non-matmul work of a decoder block in the engine's forward/backward passes (RMSNorms, residual
+# adds, rotary, the SiLU gate, casts and copies around them), as effective HBM bytes per token per
+# block per pass. Without sequence parallelism the ops on [tokens, hidden] run whole on every tp
+# rank; those on the MLP's [tokens, intermediate / tp] split with it. Fitted on two H200s
+# (2026-11-30, `benchmarks/engine_bench.py --profile`, Llama-3.2-1B, forward of 64.9k tokens):
+# GPU time of kernels that are neither matmul, attention, NCCL nor logprobs was 128.1 ms at tp=1
+# and 100.0 ms per GPU at tp=2, i.e. 71.9 ms replicated + 56.2 ms split; per token and block at
+# the measured 4.145 TB/s that is 140 bytes per hidden unit and 27 bytes per intermediate unit
+# (the training step's three passes gave within 8% of the same). Decode steps are not charged:
+# their compiled, fused step is fitted as a whole (efficiency `decode`).
+ELEMENTWISE_BYTES_PER_HIDDEN = 140.0
+ELEMENTWISE_BYTES_PER_INTERMEDIATE = 27.0
+
+
 @dataclass(frozen=True)
 class CallGeometry:
     """What one GPU of a (tp, pp) layout holds and computes, on its fullest / slowest stage.
@@ -54,6 +69,8 @@ class CallGeometry:
     attn_flops_per_ctx: forward attention FLOPs per token per key attended, one block, one GPU.
     head_flops: forward FLOPs per token of the LM / value head on one GPU.
     kv_bytes_per_token_layer: bf16 K and V one GPU caches per token per block.
+    layer_elementwise_bytes: HBM bytes one block's non-matmul ops move per token and pass on one
+        GPU (see ELEMENTWISE_BYTES_PER_HIDDEN).
     """
 
     spec: ModelSpec
@@ -65,6 +82,7 @@ class CallGeometry:
     attn_flops_per_ctx: float
     head_flops: float
     kv_bytes_per_token_layer: float
+    layer_elementwise_bytes: float = 0.0
 
     def stage_flops_per_token(self, ctx: float) -> float:
         """Forward FLOPs per token on the slowest stage, attending to `ctx` keys on average."""
@@ -117,6 +135,8 @@ def _geometry(spec: ModelSpec, critic: bool, tp: int, pp: int) -> CallGeometry |
         attn_flops_per_ctx=4.0 * q_dim / tp,
         head_flops=2.0 * h * head_cols,
         kv_bytes_per_token_layer=2 * 2 * kv_dim / kv_split,
+        layer_elementwise_bytes=(ELEMENTWISE_BYTES_PER_HIDDEN * h
+                                 + ELEMENTWISE_BYTES_PER_INTERMEDIATE * spec.intermediate_size / tp),
     )
 
 

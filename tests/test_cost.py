@@ -9,7 +9,9 @@ import pytest
 from planning.cost import (
     CallCost, ModelRole, PlanningProblem, call_cost, call_cost_levels, rlhf_problem, weight_bytes_per_gpu,
 )
-from planning.cost_terms import OpEfficiency, allreduce_s
+from planning.cost_terms import (
+    ELEMENTWISE_BYTES_PER_HIDDEN, ELEMENTWISE_BYTES_PER_INTERMEDIATE, OpEfficiency, allreduce_s,
+)
 from planning.dataflow import MFC, BatchShape, Graph, ppo_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
@@ -54,6 +56,23 @@ def test_more_tp_less_compute_per_gpu_but_tp_comm_is_paid() -> None:
             assert cost.breakdown["compute_s"] < previous.breakdown["compute_s"]
             assert cost.mem_bytes < previous.mem_bytes
         previous = cost
+
+
+def test_elementwise_work_is_mostly_replicated_over_tp() -> None:
+    # No sequence parallelism: norms and residuals on [tokens, hidden] run whole on every tp
+    # rank; only the MLP's share splits. So a tp=8 forward does not get 8x cheaper there.
+    problem = _problem()
+    spec = problem.models["ref"].spec
+    one = _cost(problem, "ref_inf", 0, 1, "tp1").breakdown["elementwise_s"]
+    eight = _cost(problem, "ref_inf", 0, 8, "tp8").breakdown["elementwise_s"]
+    split = ELEMENTWISE_BYTES_PER_INTERMEDIATE * spec.intermediate_size
+    whole = ELEMENTWISE_BYTES_PER_HIDDEN * spec.hidden_size
+    assert eight / one == pytest.approx((whole + split / 8) / (whole + split))
+    assert one / 8 < eight < one
+    # The tp all-reduces inside real steps scale with tp_comm, on top of comm.
+    slow = PlanningProblem(problem.graph, problem.cluster, problem.models, OpEfficiency(tp_comm=0.25))
+    base_tp = _cost(problem, "ref_inf", 0, 8, "tp8").breakdown["tp_comm_s"]
+    assert _cost(slow, "ref_inf", 0, 8, "tp8").breakdown["tp_comm_s"] > 3 * base_tp
 
 
 def test_communication_never_zero_for_parallel_dimensions() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.profile_fit import fit_efficiency, predicted_seconds, solve_efficiency
+from actors.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s, solve_efficiency
 from actors.profiler import MIN_EFFICIENCY, EngineTiming, ProfileSettings, cut_model, measure_collectives
 from app.__main__ import main
 from app.cli_profile import default_preset, format_table
@@ -191,6 +192,21 @@ def test_fit_recovers_the_factors_that_produced_the_times() -> None:
     assert all(slower[k] > faster[k] > 0 for k in faster)
 
 
+def test_tp_comm_fit_recovers_the_factor_of_a_tp_step() -> None:
+    settings = quick_settings()
+    hw = hardware_preset("h200-141g")
+    base = OpEfficiency(gemm=0.6, decode=0.5, optimizer=0.2, comm=0.8)
+    measured = predicted_tp_fwd_bwd_s(hw, replace(base, tp_comm=0.3), settings, tp=2)
+    assert fit_tp_comm(hw, base, settings, 2, measured) == pytest.approx(0.3, rel=1e-6)
+    # The GPU profile's sizes (a 2-layer Llama-3.2-1B, 8 x 1024 tokens): without sequence
+    # parallelism a tp=2 step takes more than half the tp=1 one even over free links.
+    gpu = ProfileSettings.choose("cuda", cut_model(model_preset("llama3.2-1b"), 2), quick=False)
+    one = predicted_seconds(hw, base, gpu)["fwd_bwd_s"]
+    free_links = predicted_tp_fwd_bwd_s(hw, replace(base, comm=1.0), gpu, tp=2)
+    assert one / 2 < free_links < one
+    assert fit_tp_comm(hw, base, gpu, 2, free_links / 2) == 1.0  # faster than any link rate explains
+
+
 # ---- arguments ----------------------------------------------------------------------------------------
 
 
@@ -246,6 +262,11 @@ def test_two_rank_profile_measures_links(tmp_path: Path, capsys: pytest.CaptureF
     coll = data["measurements"]["collectives"]
     assert coll["ranks"] == 2 and coll["backend"] == "gloo" and coll["nbytes"] == quick_settings().comm_bytes
     assert coll["allreduce_s"] > 0 and coll["broadcast_s"] > 0 and coll["small_allreduce_s"] > 0
+    assert coll["tp_fwd_bwd_s"] > 0  # tp_comm is fitted on the engine's tp=2 step
+    check = data["measurements"]["validation"]["tp2_fwd_bwd_s"]
+    assert check["measured_s"] == coll["tp_fwd_bwd_s"]
+    if 0.0011 < data["efficiency"]["tp_comm"] < 1.0:  # not clamped: the fit reproduces the measurement
+        assert check["profile_s"] == pytest.approx(check["measured_s"], rel=1e-3)
     hw = HardwareSpec.with_profile(hardware_preset("cpu"), out)
     assert (hw.intra_node_bw, hw.collective_latency_s) == (data["intra_node_bw"], data["collective_latency_s"])
     with pytest.raises(ValueError, match="ranks=1"):
