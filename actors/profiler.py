@@ -216,7 +216,7 @@ def collective_rank(rank: int, ranks: int, port: int, backend: str, settings: Pr
             timed(lambda: dist.all_reduce(small), 10 * settings.reps),
         ]
         del big
-        timings.append(_tp_fwd_bwd_seconds(settings, device, ranks))
+        timings.append(tp_fwd_bwd_seconds(settings, device, ranks))
         seconds = torch.tensor(timings, dtype=torch.float64, device=device)
         # The slowest rank's time: a broadcast's root can finish before its receivers do.
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -272,11 +272,17 @@ def _engine_and_fwd_bwd(settings: ProfileSettings, device: torch.device, groups:
     return engine, fwd_bwd
 
 
-def _tp_fwd_bwd_seconds(settings: ProfileSettings, device: torch.device, ranks: int) -> float:
-    """Median seconds of the forward+backward with tp = every rank of the world (collective)."""
+def tp_fwd_bwd_seconds(settings: ProfileSettings, device: torch.device, ranks: int) -> float:
+    """Median seconds of the forward+backward with tp = every rank of the world (collective);
+    NaN when the model cannot be split `ranks` ways (then `tp_comm` is not fitted)."""
     from actors.distributed import build_parallel_groups
     from planning.layout import Layout
+    from planning.models import validate_tp
 
+    try:
+        validate_tp(settings.model, ranks)
+    except ValueError:
+        return float("nan")  # same answer on every rank: none of them runs the collective step
     groups = build_parallel_groups(Layout(tp=ranks))
     engine, fwd_bwd = _engine_and_fwd_bwd(settings, device, groups)
     dist.barrier()

@@ -179,7 +179,9 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
                    "llm_vs_preset": hardware.llm_flops / preset.peak_flops},
         "copy": {"bytes": settings.copy_bytes, "bandwidth": hardware.fields["hbm_bw"]},
         "collectives": None if collectives is None else {
-            **asdict(collectives), "broadcast_bw": collectives.broadcast_bw, "allreduce_bw": collectives.allreduce_bw},
+            **asdict(collectives), "broadcast_bw": collectives.broadcast_bw, "allreduce_bw": collectives.allreduce_bw,
+            # JSON has no NaN: a tp step the model could not be split for is recorded as null.
+            "tp_fwd_bwd_s": collectives.tp_fwd_bwd_s if math.isfinite(collectives.tp_fwd_bwd_s) else None},
         "engine": {**asdict(timing), "train_seqs": settings.train_seqs, "train_seq_len": settings.train_seq_len,
                    "decode_batch": settings.decode_batch, "decode_prompt_len": settings.decode_prompt_len,
                    "decode_steps": list(settings.decode_steps)},

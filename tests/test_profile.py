@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from actors.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s, solve_efficiency
-from actors.profiler import MIN_EFFICIENCY, EngineTiming, ProfileSettings, cut_model, measure_collectives
+from actors.profiler import (
+    MIN_EFFICIENCY, EngineTiming, ProfileSettings, tp_fwd_bwd_seconds, cut_model, measure_collectives,
+)
 from app.__main__ import main
 from app.cli_profile import default_preset, format_table
 from app.config import load_config
@@ -271,6 +273,9 @@ def test_two_rank_profile_measures_links(tmp_path: Path, capsys: pytest.CaptureF
     assert (hw.intra_node_bw, hw.collective_latency_s) == (data["intra_node_bw"], data["collective_latency_s"])
     with pytest.raises(ValueError, match="ranks=1"):
         measure_collectives(quick_settings(), 1)
+    # A rank count that cannot split the model's heads: no tp step (and no tp_comm), no error.
+    assert quick_settings().model.n_heads % 3
+    assert math.isnan(tp_fwd_bwd_seconds(quick_settings(), torch.device("cpu"), 3))
 
 
 @pytest.mark.gpu
