@@ -368,5 +368,5 @@ def cut_model(spec: ModelSpec, n_layers: int) -> ModelSpec:
 __all__ = [
     "CollectiveTiming", "EngineTiming", "HardwareMeasurements", "MIN_EFFICIENCY", "ProfileSettings", "best_seconds",
     "copy_bandwidth", "cut_model", "matmul_flops", "measure_collectives", "measure_engine", "measure_hardware",
-    "median_seconds",
+    "median_seconds", "tp_fwd_bwd_seconds",
 ]
