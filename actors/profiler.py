@@ -203,19 +203,7 @@ def collective_rank(rank: int, ranks: int, port: int, backend: str, settings: Pr
     init_local_world(rank, ranks, port, backend)
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        big = torch.ones(settings.comm_bytes // 4, device=device, dtype=torch.float32)
-        small = torch.ones(1, device=device, dtype=torch.float32)
-
-        def timed(fn: Callable[[], object], reps: int) -> float:
-            dist.barrier()  # every rank starts the loop together, so rank 0 does not time a wait
-            return median_seconds(fn, device, settings.warmup + 1, reps)
-
-        timings = [
-            timed(lambda: dist.all_reduce(big), settings.reps),
-            timed(lambda: dist.broadcast(big, src=0), settings.reps),
-            timed(lambda: dist.all_reduce(small), 10 * settings.reps),
-        ]
-        del big
+        timings = _collective_seconds(settings, device)  # its buffers are freed before the engine's
         timings.append(tp_fwd_bwd_seconds(settings, device, ranks))
         seconds = torch.tensor(timings, dtype=torch.float64, device=device)
         # The slowest rank's time: a broadcast's root can finish before its receivers do.
@@ -270,6 +258,22 @@ def _engine_and_fwd_bwd(settings: ProfileSettings, device: torch.device, groups:
         engine.backward_step(batch, loss_fn)
 
     return engine, fwd_bwd
+
+
+def _collective_seconds(settings: ProfileSettings, device: torch.device) -> list[float]:
+    """Median seconds of an all-reduce and a broadcast of `comm_bytes`, and of a 4-byte all-reduce."""
+    big = torch.ones(settings.comm_bytes // 4, device=device, dtype=torch.float32)
+    small = torch.ones(1, device=device, dtype=torch.float32)
+
+    def timed(fn: Callable[[], object], reps: int) -> float:
+        dist.barrier()  # every rank starts the loop together, so rank 0 does not time a wait
+        return median_seconds(fn, device, settings.warmup + 1, reps)
+
+    return [
+        timed(lambda: dist.all_reduce(big), settings.reps),
+        timed(lambda: dist.broadcast(big, src=0), settings.reps),
+        timed(lambda: dist.all_reduce(small), 10 * settings.reps),
+    ]
 
 
 def tp_fwd_bwd_seconds(settings: ProfileSettings, device: torch.device, ranks: int) -> float:
