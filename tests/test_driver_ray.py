@@ -9,6 +9,8 @@
   critic training ended (cross-iteration overlap);
 * a worker that dies and a worker that stalls end the run with a DriverError naming the call
   and the worker, and leave metrics.jsonl valid;
+* a run started from a checkpoint's exported actor and critic (the README's recipe) has the
+  trained weights: its first KL to the untouched reference is non-zero, a fresh run's is 0;
 * the learning check: 40 iterations of the default config; the mean reward of the last 5 must
   exceed the first 5 by LEARNING_MARGIN. Measured on the 2-core dev machine (2026-11-30): first 5
   0.012, last 5 0.385 (margin 0.37) in 49 s, so it runs in CI (well under 3 minutes).
@@ -254,6 +256,24 @@ def test_other_algorithms_run_through_the_driver(ray_session: None, tmp_path: Pa
     assert all(r["actor/pg_loss"] == r["actor/pg_loss"] and r["rollout/reward_mean"] >= 0 for r in rows)
     assert (tmp_path / "checkpoints" / "iter_2" / "actor" / "config.json").is_file()
     assert not (tmp_path / "checkpoints" / "iter_2" / "critic").exists()  # neither trains a critic
+
+
+def test_a_run_starts_from_a_checkpoints_weights(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    # The README's recipe: point actor and critic at a checkpoint, keep the reference original.
+    first = tmp_path / "first"
+    Driver(tiny_config(first, "run.iterations=2", "checkpoint.at_end=true"), first).run()
+    done = latest_checkpoint(first)
+    assert done is not None and done.name == "iter_2"
+    second = tmp_path / "second"
+    cfg = tiny_config(second, "run.iterations=1", "checkpoint.at_end=false",
+                      "models.actor.preset=null", f"models.actor.path={done / 'actor'}",
+                      "models.critic.preset=null", f"models.critic.path={done / 'critic'}", "models.ref.preset=tiny")
+    rows = Driver(cfg, second).run()
+    fresh = Driver(tiny_config(tmp_path / "fresh", "run.iterations=1", "checkpoint.at_end=false"),
+                   tmp_path / "fresh").run()
+    # Untrained, the actor starts as its reference (KL 0); from the checkpoint it has moved away.
+    assert fresh[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["actor/kl"] > 1e-4
 
 
 def test_train_command_in_process(ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
