@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 KL_CONTROLLERS = ("fixed", "adaptive")
 KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KLEstimator = Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"]  # the same names, for the config fields
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
@@ -80,7 +81,7 @@ class PPOConfig(TrainSection):
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = Field(6.0, gt=0.0)
     kl_horizon: int = Field(10000, ge=1)
-    kl_estimator: Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "k1"
+    kl_estimator: KLEstimator = "k1"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_eps: float = Field(0.2, gt=0.0)
@@ -97,7 +98,7 @@ class GRPOConfig(TrainSection):
     minibatches and loss aggregation come from the ppo section."""
 
     kl_loss_coef: float = Field(0.001, ge=0.0)
-    kl_loss_estimator: Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_estimator: KLEstimator = "low_var_kl"
     scale_by_std: bool = True
 
 

@@ -6,8 +6,9 @@
 and its return value picklable. Every process joins a localhost gloo world on a free port with
 one torch thread before `fn` runs (backend="nccl": an NCCL world, rank r on cuda:r), and leaves
 it afterwards; with one_gpu_each=True rank r sees only GPU r, as cuda:0, the way Ray
-starts a GPU actor (CUDA_VISIBLE_DEVICES set to its one GPU). If any rank raises, the others are terminated (they may be stuck in a
-collective) and a RuntimeError carries every rank's traceback.
+starts a GPU actor (CUDA_VISIBLE_DEVICES set to its one GPU). If any rank raises, the others
+are terminated (they may be stuck in a collective) and a RuntimeError carries every rank's
+traceback.
 Spawn once per world size and loop over cases inside `fn`: starting a process costs seconds.
 """
 

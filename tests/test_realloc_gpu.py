@@ -46,13 +46,8 @@ def _moves(rank: int, world_size: int, one_gpu_each: bool = False) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_every_path_is_exact_on_two_gpus() -> None:
-    results = run_distributed(_moves, 2, backend="nccl", timeout_s=300)
-    assert results[0] == results[1] and len(results[0]) == 3 * (len(PAIRS) + 1)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_every_path_is_exact_with_one_visible_gpu_per_process() -> None:
-    results = run_distributed(_moves, 2, True, backend="nccl", timeout_s=300, one_gpu_each=True)
+@pytest.mark.parametrize("one_gpu_each", [False, True], ids=["both-visible", "one-visible-gpu-per-process"])
+def test_every_path_is_exact_on_two_gpus(one_gpu_each: bool) -> None:
+    # one_gpu_each: each process sees only its own GPU, as Ray starts a GPU actor.
+    results = run_distributed(_moves, 2, one_gpu_each, backend="nccl", timeout_s=300, one_gpu_each=one_gpu_each)
     assert results[0] == results[1] and len(results[0]) == 3 * (len(PAIRS) + 1)
