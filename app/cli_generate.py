@@ -28,7 +28,7 @@ from planning.layout import Layout
 from planning.models import ModelSpec
 
 if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
-    from actors.sampling import SamplingParams
+    from actors.generation import SamplingParams
 
 
 def add_parser(subparsers: Any) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from actors.sampling import SamplingParams
+    from actors.generation import SamplingParams
 
     model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
     out_path = Path(args.out)
@@ -105,7 +105,7 @@ def run_layout(layout: Layout, job: GenerationJob, scratch: str) -> None:
     of memory or fails is reported as one ValueError line (exit status 2 at the CLI)."""
     import torch.multiprocessing as mp
 
-    from actors.distributed import free_port
+    from actors.engine import free_port
 
     try:
         if layout.world_size == 1:
@@ -139,10 +139,8 @@ def generate_rank(rank: int, layout: Layout, job: GenerationJob, scratch: str, p
     import torch
     import torch.distributed as dist
 
-    from actors.distributed import ParallelGroups, build_parallel_groups
-    from actors.generate import GenerationConfig, generate
-    from actors.hf_io import load_hf_checkpoint
-    from actors.parallelize import build_model_shard
+    from actors.engine import ParallelGroups, build_model_shard, build_parallel_groups, load_hf_checkpoint
+    from actors.generation import GenerationConfig, generate
 
     if port is not None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)

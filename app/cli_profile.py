@@ -1,6 +1,6 @@
 """`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick]`.
 
-Measures this machine (actors/profiler.py: matmul FLOP/s, memory copy bandwidth, collectives
+Measures this machine (actors.worker.profiler: matmul FLOP/s, memory copy bandwidth, collectives
 over local processes, an engine train step and decode steps against the cost model), prints a
 short table of measured vs preset figures and writes the profile JSON. A config then plans with
 it through `plan.profile: profile.json`: the measured HardwareSpec fields replace the preset's
@@ -28,7 +28,7 @@ from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset
 
 if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
-    from actors.profiler import ProfileSettings
+    from actors.worker import ProfileSettings
 
 # GPU name fragment -> hardware preset, for the default --gpu.
 PRESET_BY_DEVICE_NAME = (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100", "a100-80g"))
@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
 def resolve_arguments(args: argparse.Namespace, cuda_available: bool, gpu_count: int,
                       device_name: str) -> tuple[str, HardwareSpec, int, ModelSpec]:
     """(device, preset, ranks, model) from the arguments; ValueError naming the flag otherwise."""
-    from actors.profiler import cut_model
+    from actors.worker import cut_model
 
     device = args.device if args.device != "auto" else ("cuda" if cuda_available else "cpu")
     if device == "cuda" and not cuda_available:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate, measure, print the table, write the JSON."""
     import torch
 
-    from actors.profiler import ProfileSettings
+    from actors.worker import ProfileSettings
 
     cuda = torch.cuda.is_available()
     gpu_count = torch.cuda.device_count() if cuda else 0
@@ -138,8 +138,15 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
     """Run every microbenchmark and return the profile JSON object: the measured HardwareSpec
     fields at top level, "efficiency", "preset" and "measurements" (raw numbers, the cost model's
     seconds at the preset and at the profile beside the measured ones, machine, date)."""
-    from actors.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
-    from actors.profiler import MIN_EFFICIENCY, measure_engine, measure_hardware
+    from actors.worker import (
+        MIN_EFFICIENCY,
+        fit_efficiency,
+        fit_tp_comm,
+        measure_engine,
+        measure_hardware,
+        predicted_seconds,
+        predicted_tp_fwd_bwd_s,
+    )
 
     timing = measure_engine(settings)  # first: spawned collective processes leave load behind on CPU
     hardware = measure_hardware(settings, ranks)

@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from actors.advantages import make_kl_controller
+from actors.rl import make_kl_controller
 from actors.worker import CallSpec
 from app.algorithms import call_params
 from app.algorithms.dpo import preference_shard
@@ -38,13 +38,29 @@ from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
 from app.report import plan_json, plan_report
 from app.runtime import (
-    TrainInputs, connect_cluster, init_world, load_models, plan_groups, preflight, setup_groups, start_plan_search,
-    start_workers, wait_plan,
+    TrainInputs,
+    connect_cluster,
+    init_world,
+    load_models,
+    plan_groups,
+    preflight,
+    setup_groups,
+    start_plan_search,
+    start_workers,
+    wait_plan,
 )
 from app.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
 from app.timeline import (
-    TimelineRecord, append_records, realloc_metrics, records_of, rollout_metrics, span, throughput, timing_metrics,
-    timing_table, write_gantt,
+    TimelineRecord,
+    append_records,
+    realloc_metrics,
+    records_of,
+    rollout_metrics,
+    span,
+    throughput,
+    timing_metrics,
+    timing_table,
+    write_gantt,
 )
 from app.tracking import Tracker
 from cluster.placement import WorkerGroup

@@ -27,13 +27,17 @@ from typing import Any
 import ray
 
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config
-from app.config import ConfigError, ExperimentConfig
-from app.problem import build_problem, manual_plan, model_spec, role_sources
 from app.algorithms.dpo import toy_preference_records
+from app.config import ConfigError, ExperimentConfig
 from app.data import (
-    PreferenceExample, PromptExample, build_prompt_dataset, load_preference_records, load_tokenizer,
+    PreferenceExample,
+    PromptExample,
+    build_prompt_dataset,
+    load_preference_records,
+    load_tokenizer,
     tokenize_preferences,
 )
+from app.problem import build_problem, manual_plan, model_spec, role_sources
 from app.rewards import RewardLoadError, load_reward_fn
 from app.schedule import home_placements, realloc_member_sets
 from cluster.collective import list_process_groups
@@ -208,7 +212,7 @@ def join_virtual_cluster(virtual: bool) -> None:
 def start_plan_search(inputs: TrainInputs) -> tuple[Any, ray.ObjectRef]:
     """Submit the plan search to a `PlannerService` actor (no CPU reserved: it must not hold
     back the workers); returns the actor (for `wait_plan` to stop) and the ref of its result."""
-    from actors.planner import PlannerService
+    from planning.planner_service import PlannerService
 
     p = inputs.cfg.plan
     planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()

@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.distributed import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
-from actors.engine import ModelEngine, SequenceBatch  # noqa: E402
-from actors.losses import sft_loss  # noqa: E402
-from actors.optim import AdamWConfig  # noqa: E402
+from actors.engine.model_engine import ModelEngine, SequenceBatch  # noqa: E402
+from actors.engine.optimizer import AdamWConfig  # noqa: E402
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
+from actors.rl.losses import sft_loss  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
 

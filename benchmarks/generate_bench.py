@@ -1,4 +1,4 @@
-"""Decode throughput of actors/generate.py against the memory-bandwidth roofline.
+"""Decode throughput of actors.generation.decoding against the memory-bandwidth roofline.
 
     python benchmarks/generate_bench.py                 # one H200, Llama-3.2-1B shape, bf16
     python benchmarks/generate_bench.py --tp 2          # two H200s, 2 spawned processes, NCCL
@@ -29,11 +29,12 @@ import torch.distributed as dist
 # Run as a script from a checkout: make the repository's packages importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.distributed import ParallelGroups, build_parallel_groups, free_port
-from actors.generate import GenerationConfig, generate
-from actors.model import Transformer
-from actors.parallelize import build_model_shard
-from actors.sampling import SamplingParams
+from actors.engine.model import Transformer
+from actors.engine.parallelize import build_model_shard
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port
+from actors.generation.decoding import GenerationConfig
+from actors.generation.generate import generate
+from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
 from planning.models import ModelSpec, model_preset
 
@@ -186,8 +187,8 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
     compiles and captures), to see where a decode step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from actors.generate import DecodeStep, prepare_cache
-    from actors.sampling import sample_tensor_parallel
+    from actors.generation.decoding import DecodeStep, prepare_cache
+    from actors.generation.sampling import sample_tensor_parallel
 
     config = mode_config(mode, 64)
     config = GenerationConfig(**{**config.__dict__, "attend_bucket": 1 << 20})  # one bucket: one graph

@@ -1,6 +1,6 @@
 """Benchmark parameter reallocation between two GPUs and compare it with the cost model.
 
-Runs the executor of `actors/realloc.py` on two processes (one per GPU, NCCL), for a Llama-3.2-1B
+Runs the executor of `actors.realloc.executor` on two processes (one per GPU, NCCL), for a Llama-3.2-1B
 shaped model in bf16 with random weights built directly as shard dicts (no model code):
 
     (GPU0, tp1)      -> (GPU0+1, tp2)
@@ -43,10 +43,22 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.distributed import free_port  # noqa: E402
-from actors.realloc import (COPY_PROGRAMS, ReallocGroups, ReallocStats, broadcast_groups, execute_reallocation,  # noqa: E402
-                            pull_group)
-from actors.realloc_schedule import DEFAULT_BUCKET_BYTES, DEFAULT_LEAD_BYTES, DIRECT_MIN_BYTES, MiB, build_schedule  # noqa: E402
+from actors.engine.process_groups import free_port  # noqa: E402
+from actors.realloc.executor import (
+    COPY_PROGRAMS,
+    ReallocGroups,
+    ReallocStats,
+    broadcast_groups,
+    execute_reallocation,
+    pull_group,
+)
+from actors.realloc.schedule import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_LEAD_BYTES,
+    DIRECT_MIN_BYTES,
+    MiB,
+    build_schedule,
+)  # noqa: E402
 from planning.hardware import hardware_preset  # noqa: E402
 from planning.layout import ClusterSpec, Layout, Mesh  # noqa: E402
 from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402

@@ -1,4 +1,4 @@
-"""Benchmark the multi-copy kernel of actors/segment_copy.py against torch copies on one GPU.
+"""Benchmark the multi-copy kernel of actors.kernels.segment_copy against torch copies on one GPU.
 
 Two workloads in bf16, each timed (CUDA events, median of repetitions) with one launch of the
 kernel per tile shape and with one torch `copy_` per copy (what the reallocation executor did
@@ -24,7 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.segment_copy import Copy2D, CopyTable, copy_reference, launch_copies, resolve_fields, source_deltas  # noqa: E402
+from actors.kernels.segment_copy import (
+    Copy2D,
+    CopyTable,
+    copy_reference,
+    launch_copies,
+    resolve_fields,
+    source_deltas,
+)  # noqa: E402
 
 TILES = [(16, 256, 4), (32, 256, 4), (32, 512, 8)]
 PROGRAMS = [128, 264, 1024]

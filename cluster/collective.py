@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from actors.distributed import ParallelGroups
+from actors.engine import ParallelGroups
 from cluster.placement import WorkerGroup
 from planning.layout import Layout, Mesh
 from planning.plan import ExecutionPlan
@@ -47,7 +47,7 @@ ATTACH_METHOD = "set_process_groups"
 def layout_group_ranks(mesh: Mesh, layout: Layout) -> list[GroupRanks]:
     """Groups of one call, as global ranks: mesh, tp, dp, pp (+ embedding when pp > 1).
 
-    Same order as `actors.distributed.build_parallel_groups`; size-1 groups are left out.
+    Same order as `actors.engine.process_groups.build_parallel_groups`; size-1 groups are left out.
     """
     if layout.world_size != mesh.size:
         raise ValueError(f"layout {layout} has {layout.world_size} ranks but mesh {mesh} has {mesh.size} GPUs")

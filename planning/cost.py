@@ -34,8 +34,14 @@ import math
 from dataclasses import dataclass, field
 
 from planning.cost_terms import (
-    CallGeometry, OpEfficiency, activation_bytes_per_token_layer, allreduce_s, call_geometry, dp_bandwidth,
-    p2p_bandwidth, reduce_scatter_s,
+    CallGeometry,
+    OpEfficiency,
+    activation_bytes_per_token_layer,
+    allreduce_s,
+    call_geometry,
+    dp_bandwidth,
+    p2p_bandwidth,
+    reduce_scatter_s,
 )
 from planning.dataflow import MFC, ROLES, Graph
 from planning.hardware import HardwareSpec
@@ -273,7 +279,7 @@ def _forward_backward(
 
 
 def _sampling_s(vocab: int, rows: float, tp: int, links: _Links) -> float:
-    """One sampling step of `rows` sequences, as `actors.sampling.sample_tensor_parallel` does it:
+    """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
     under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
     and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
     samples over [rows, vocab] fp32 logits: softmax, sort for top-p and cumsum, modelled as

@@ -3,7 +3,7 @@
 A model held under (source mesh, source layout) must end up under (destination mesh, destination
 layout). The plan is a pure, deterministic function of the model's parameter shapes, the split
 rules of `planning.models` and the two placements: every rank computes the same list, and the
-executor (`actors/realloc.py`) only moves bytes in that order.
+executor (`actors.realloc.executor`) only moves bytes in that order.
 
 Each `Transfer` sends one slice (a range along one dimension, or the whole tensor) of one
 parameter from one source GPU to a set of destination GPUs (a broadcast when there are several,
@@ -20,7 +20,14 @@ from functools import cached_property
 
 from planning.layout import ClusterSpec
 from planning.models import (
-    ModelSpec, ParamSpec, kv_replicated, param_specs, pipeline_partition, stages_holding, tp_split_dim, validate_tp,
+    ModelSpec,
+    ParamSpec,
+    kv_replicated,
+    param_specs,
+    pipeline_partition,
+    stages_holding,
+    tp_split_dim,
+    validate_tp,
 )
 from planning.plan import Placement
 

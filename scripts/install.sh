@@ -18,7 +18,7 @@ if ! python3 -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "$extra" = "test" ]; then
   python3 -m pip install -q -e ".[test]"
-  # Without a GPU the Triton kernels (actors/decode_attention.py, ...) are tested in Triton's
+  # Without a GPU the Triton kernels (actors/kernels/decode_attention.py, ...) are tested in Triton's
   # interpreter, which needs triton >= 3.8 with numpy 2.x. With a GPU, torch's own pinned triton
   # compiles them and is left alone.
   if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then

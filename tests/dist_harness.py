@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from actors.distributed import free_port, init_local_world
+from actors.engine.process_groups import free_port, init_local_world
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, args: tuple[Any, ...],

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker import CALL_OPS
-from app.algorithms import AlgorithmSettings, GRPOHyperparams, PPOHyperparams, RolloutSettings, call_params, settings_from_config
+from actors.worker.model_worker import CALL_OPS
+from app.algorithms import (
+    AlgorithmSettings,
+    GRPOHyperparams,
+    PPOHyperparams,
+    RolloutSettings,
+    call_params,
+    settings_from_config,
+)
 from planning.dataflow import BatchShape, grpo_graph, ppo_graph, remax_graph
 
 BATCH = BatchShape(4, 8, 8)

@@ -7,10 +7,19 @@ import math
 import pytest
 
 from planning.cost import (
-    CallCost, ModelRole, PlanningProblem, call_cost, call_cost_levels, rlhf_problem, weight_bytes_per_gpu,
+    CallCost,
+    ModelRole,
+    PlanningProblem,
+    call_cost,
+    call_cost_levels,
+    rlhf_problem,
+    weight_bytes_per_gpu,
 )
 from planning.cost_terms import (
-    ELEMENTWISE_BYTES_PER_HIDDEN, ELEMENTWISE_BYTES_PER_INTERMEDIATE, OpEfficiency, allreduce_s,
+    ELEMENTWISE_BYTES_PER_HIDDEN,
+    ELEMENTWISE_BYTES_PER_INTERMEDIATE,
+    OpEfficiency,
+    allreduce_s,
 )
 from planning.dataflow import MFC, BatchShape, Graph, ppo_graph
 from planning.hardware import hardware_preset
@@ -227,7 +236,7 @@ def test_decode_pays_two_tp_allreduces_per_layer_per_token() -> None:
 
 
 def test_sampling_is_paid_every_step_and_gathers_logits_under_tp() -> None:
-    # actors.sampling gathers the vocab-parallel logits on tp rank 0 and broadcasts the samples:
+    # actors.generation.sampling gathers the vocab-parallel logits on tp rank 0 and broadcasts the samples:
     # a tp layout pays those collectives on top of the sampling sweeps every layout pays.
     problem = _problem(batch=BatchShape(64, 16, 64))
     one = _cost(problem, "actor_gen", 0, 1, "dp1").breakdown["sampling_s"]

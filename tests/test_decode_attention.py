@@ -1,4 +1,4 @@
-"""The Triton decode attention kernel (actors/decode_attention.py) against its torch twin and the
+"""The Triton decode attention kernel (actors.kernels.decode_attention) against its torch twin and the
 SDPA decode path: cache writes, GQA groups, per-sequence lengths (0 included), sliding windows,
 and whole generations token-for-token. Without CUDA the kernel runs in Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay tiny."""
@@ -10,12 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from actors.decode_attention import gqa_decode_attention, gqa_decode_attention_reference  # noqa: E402
-from actors.decode_cache import HeadMajorKVCache, resolve_decode_kernel  # noqa: E402
-from actors.generate import GenerationConfig, generate  # noqa: E402
-from actors.model import Transformer  # noqa: E402
-from actors.sampling import SamplingParams  # noqa: E402
-from actors.triton_support import triton_runs  # noqa: E402
+from actors.engine.model import Transformer  # noqa: E402
+from actors.generation.decoding import GenerationConfig
+from actors.generation.generate import generate  # noqa: E402
+from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel  # noqa: E402
+from actors.generation.sampling import SamplingParams  # noqa: E402
+from actors.kernels.decode_attention import gqa_decode_attention, gqa_decode_attention_reference  # noqa: E402
+from actors.kernels.switch import triton_runs  # noqa: E402
 from planning.models import ModelSpec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.decode_cache import HeadMajorKVCache
-from actors.generate import DecodeStep, GenerationConfig, ResponseRecorder, prepare_cache
-from actors.model import Transformer, rope_inv_freq
-from actors.sampling import SampledTokens
+from actors.engine.model import Transformer, rope_inv_freq
+from actors.generation.decoding import DecodeStep, GenerationConfig, ResponseRecorder, prepare_cache
+from actors.generation.kv_cache import HeadMajorKVCache
+from actors.generation.sampling import SampledTokens
 from planning.models import model_preset
 
 torch.set_num_threads(1)
@@ -99,7 +99,7 @@ def test_decode_mask_is_shared_within_a_step_aligned_and_rebuilt_after_advance()
 
 
 def _shape():  # type: ignore[no-untyped-def]
-    from actors.attention import CacheLayerShape
+    from actors.engine.attention import CacheLayerShape
 
     return CacheLayerShape(n_kv_heads=2, head_dim=4)
 

@@ -16,22 +16,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_distributed
+from ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
-from actors.distributed import ParallelGroups, build_parallel_groups, destroy_parallel_groups
-from actors.engine import ModelEngine, SequenceBatch
-from actors.losses import dpo_loss, sequence_logprob_sums
-from actors.optim import AdamWConfig
-from actors.pipeline import split_by_tokens
-from actors.worker_calls import CallContext, CallSpec
-from actors.worker_train import dpo_loss_fn, run_dpo_actor
+from actors.engine.model_engine import ModelEngine, SequenceBatch
+from actors.engine.optimizer import AdamWConfig
+from actors.engine.pipeline import split_by_tokens
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, destroy_parallel_groups
+from actors.rl.losses import dpo_loss, sequence_logprob_sums
+from actors.worker.calls import CallContext, CallSpec
+from actors.worker.train import dpo_loss_fn, run_dpo_actor
 from app.algorithms import AlgorithmSettings, call_params, settings_from_config
 from app.algorithms.dpo import DPOHyperparams, preference_shard, toy_preference_records, toy_rejected
 from app.config import ConfigError, load_config
-from app.problem import build_graph
 from app.data import tokenize_preferences
+from app.problem import build_graph
 from app.toy_task import CharTokenizer, toy_target
-from dist_harness import run_distributed
-from ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement

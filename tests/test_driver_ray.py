@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
-from actors.worker import CallSpec, ModelWorker
+from actors.worker.model_worker import CallSpec, ModelWorker
 from app.checkpoint import latest_checkpoint
 from app.cli_train import DEFAULT_CONFIG
 from app.config import load_config

@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
-from actors.distributed import ParallelGroups, build_parallel_groups, destroy_parallel_groups
-from actors.engine import ModelEngine, SequenceBatch
-from actors.losses import LossSums, value_loss
-from actors.optim import AdamWConfig, ShardedAdamW, lr_at
-from actors.pipeline import split_by_tokens
 from dist_harness import run_distributed
+
+from actors.engine.model_engine import ModelEngine, SequenceBatch
+from actors.engine.optimizer import AdamWConfig, ShardedAdamW, lr_at
+from actors.engine.pipeline import split_by_tokens
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, destroy_parallel_groups
+from actors.rl.losses import LossSums, value_loss
 from planning.layout import Layout
 from planning.models import ModelSpec, tp_split_dim
 

@@ -1,4 +1,4 @@
-"""The fused Triton logprob kernels (actors/fused_logprobs.py) against the torch path.
+"""The fused Triton logprob kernels (actors.kernels.fused_logprobs) against the torch path.
 
 unit: the kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1
 where there is no CUDA) or compiled on CUDA, on small cases (T <= 8, V <= 300, blocks of 64 so a
@@ -15,18 +15,19 @@ import torch
 
 pytest.importorskip("triton")
 
-from actors import logprobs as logprobs_mod  # noqa: E402
-from actors.distributed import build_parallel_groups  # noqa: E402
-from actors.logprobs import combine_row_stats, token_logprobs, vocab_parallel_logprobs  # noqa: E402
-from actors.triton_support import triton_runs  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
+
+from actors.engine import logprobs as logprobs_mod  # noqa: E402
+from actors.engine.logprobs import combine_row_stats, token_logprobs, vocab_parallel_logprobs  # noqa: E402
+from actors.engine.process_groups import build_parallel_groups  # noqa: E402
+from actors.kernels.switch import triton_runs  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if not triton_runs(DEVICE):
     pytest.skip("Triton kernels cannot run here (no CUDA and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
-from actors.fused_logprobs import logprob_grad, logprob_row_stats  # noqa: E402
+from actors.kernels.fused_logprobs import logprob_grad, logprob_row_stats  # noqa: E402
 
 ATOL = 1e-5
 BLOCK = 64  # small blocks: several per row, the last one partial (V = 300)

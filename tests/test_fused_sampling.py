@@ -1,4 +1,4 @@
-"""The fused sampling kernel (actors/fused_sampling.py) against its torch twin: greedy (first
+"""The fused sampling kernel (actors.kernels.fused_sampling) against its torch twin: greedy (first
 maximum, plain-softmax logprob) and inverse-CDF sampling with a temperature, rows longer than one
 block, and the twin's agreement with sample_logits. Without CUDA the kernel runs in Triton's
 interpreter (tests/conftest.py), so rows stay short."""
@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from actors.fused_sampling import sample_rows, sample_rows_reference  # noqa: E402
-from actors.sampling import SamplingParams, sample_logits  # noqa: E402
-from actors.triton_support import triton_runs  # noqa: E402
+from actors.generation.sampling import SamplingParams, sample_logits  # noqa: E402
+from actors.kernels.fused_sampling import sample_rows, sample_rows_reference  # noqa: E402
+from actors.kernels.switch import triton_runs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_runs(DEVICE), reason="Triton cannot run here")

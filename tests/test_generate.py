@@ -1,4 +1,4 @@
-"""Single-process tests of actors/generate.py and actors/sampling.py: greedy parity with
+"""Single-process tests of actors.generation.decoding and actors.generation.sampling: greedy parity with
 transformers' generate (tiny random Llama and Qwen2), EOS stopping, logprobs equal to a forward
 pass, seeded reproducibility, the sampling distribution (chi-square on a tiny vocabulary, with
 top-k/top-p truncation) and the memory check. CPU, float32."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 import transformers
 
-from actors.generate import GenerationConfig, GenerationOutput, generate
-from actors.model import Transformer
-from actors.packing import pack_sequences
-from actors.sampling import (
+from actors.engine.model import Transformer
+from actors.engine.packing import pack_sequences
+from actors.generation.decoding import GenerationConfig, GenerationOutput
+from actors.generation.generate import generate
+from actors.generation.sampling import (
     SamplingParams,
     allowed_tokens,
     sample_logits,
@@ -115,8 +116,8 @@ def test_sampled_logprobs_equal_forward_and_seed_reproducible(params: SamplingPa
             assert int(first.kept_counts.max()) <= params.top_k
         # Recomputing the truncation from the forward's logits gives the same result here.
         assert torch.allclose(first.logprobs, forward_logprobs(model, first, kept_counts=False), atol=1e-5)
-        # The train-side path: the `allowed` mask into actors/logprobs.py's vocab-parallel logprobs.
-        from actors.logprobs import vocab_parallel_logprobs
+        # The train-side path: the `allowed` mask into actors.engine.logprobs's vocab-parallel logprobs.
+        from actors.engine.logprobs import vocab_parallel_logprobs
 
         with torch.no_grad():
             logits = model(first.tokens, first.packed_batch())[response_rows(first)]
@@ -139,7 +140,7 @@ def test_ignore_eos_runs_to_max_new_tokens() -> None:
 
 
 def expected_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Reference distribution written independently of actors/sampling.py (one row [V])."""
+    """Reference distribution written independently of actors.generation.sampling (one row [V])."""
     scaled = logits / params.temperature
     order = torch.argsort(scaled, descending=True)
     keep = torch.zeros_like(scaled, dtype=torch.bool)
@@ -204,8 +205,8 @@ def test_memory_check_fails_before_allocating() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("family", ["Llama", "Mistral"])
 def test_head_major_cache_decode_equals_base_cache_and_buckets_change_nothing(family: str) -> None:
-    from actors.attention import KVCache
-    from actors.decode_cache import HeadMajorKVCache
+    from actors.engine.attention import KVCache
+    from actors.generation.kv_cache import HeadMajorKVCache
 
     model = ours_from_hf(build_hf(family, sliding_window=4) if family == "Mistral" else build_hf(family))
     prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)
@@ -228,7 +229,7 @@ def test_head_major_cache_decode_equals_base_cache_and_buckets_change_nothing(fa
 
 @pytest.mark.unit
 def test_kv_cache_bytes_match_the_allocated_cache() -> None:
-    from actors.generate import kv_cache_bytes, prepare_cache
+    from actors.generation.decoding import kv_cache_bytes, prepare_cache
 
     model = ours_from_hf(build_hf("Qwen2"))
     prompts = random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)
@@ -334,8 +335,8 @@ def test_cli_generate_errors_exit_2_with_one_line(tmp_path: Any, capsys: pytest.
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_and_recaptures_after_weights_move() -> None:
-    from actors.decode_cache import HeadMajorKVCache
-    from actors.generate import DecodeStep
+    from actors.generation.decoding import DecodeStep
+    from actors.generation.kv_cache import HeadMajorKVCache
 
     model = ours_from_hf(build_hf("Llama")).cuda()
     prompts = [p.cuda() for p in random_prompts(BASE["vocab_size"], PROMPT_LENGTHS)]
@@ -378,7 +379,7 @@ def test_fused_qkv_decode_equals_separate_projections(family: str) -> None:
 
 @pytest.mark.unit
 def test_fused_qkv_rebuilds_only_when_weights_move() -> None:
-    from actors.decode_cache import FusedQKV
+    from actors.generation.kv_cache import FusedQKV
 
     model = ours_from_hf(build_hf("Llama"))
     fused = FusedQKV(model)

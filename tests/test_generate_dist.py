@@ -13,9 +13,10 @@ import pytest
 import torch
 import transformers
 
-from actors.generate import GenerationConfig, GenerationOutput, generate
-from actors.model import Transformer
-from actors.sampling import SamplingParams
+from actors.engine.model import Transformer
+from actors.generation.decoding import GenerationConfig, GenerationOutput
+from actors.generation.generate import generate
+from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
 from planning.models import ModelSpec
 from tests.dist_harness import run_distributed
@@ -64,9 +65,9 @@ def summary(out: GenerationOutput) -> dict[str, Any]:
 
 def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> dict[str, Any]:
     """Worker: every (family, layout, micro-batches, config) result, keyed by a readable name."""
-    from actors.distributed import build_parallel_groups, destroy_parallel_groups
-    from actors.hf_io import load_hf_checkpoint
-    from actors.parallelize import build_model_shard
+    from actors.engine.hf_io import load_hf_checkpoint
+    from actors.engine.parallelize import build_model_shard
+    from actors.engine.process_groups import build_parallel_groups, destroy_parallel_groups
 
     results: dict[str, Any] = {}
     for family, path, eos in cases:
@@ -91,9 +92,9 @@ def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, st
 
 def train_side_logprobs(model: Transformer, out: GenerationOutput, tp_group: Any) -> list[float]:
     """Response logprobs as training computes them under tp: vocab-parallel logits, the sampling
-    mask from kept counts (actors.sampling.allowed_tokens), actors/logprobs.py."""
-    from actors.logprobs import vocab_parallel_logprobs
-    from actors.sampling import allowed_tokens
+    mask from kept counts (actors.generation.sampling.allowed_tokens), actors.engine.logprobs."""
+    from actors.engine.logprobs import vocab_parallel_logprobs
+    from actors.generation.sampling import allowed_tokens
     from tests.test_generate import response_rows
 
     rows = response_rows(out)
@@ -111,7 +112,7 @@ def hf_greedy(hf: transformers.PreTrainedModel, prompt: torch.Tensor, eos: int |
 
 
 def serial_model(path: Path) -> Transformer:
-    from actors.hf_io import load_hf_checkpoint
+    from actors.engine.hf_io import load_hf_checkpoint
 
     spec = ModelSpec.from_hf_config(path)
     model = Transformer(spec, device="meta")

@@ -1,4 +1,4 @@
-"""HF checkpoint I/O (actors/hf_io.py): save_pretrained -> load -> export -> from_pretrained round
+"""HF checkpoint I/O (actors.engine.hf_io): save_pretrained -> load -> export -> from_pretrained round
 trips, tp-sharded and pipeline-stage loading, gathering shards, critic heads, error messages."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from actors.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
-from actors.model import Transformer
-from actors.packing import pack_sequences
+from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
+from actors.engine.model import Transformer
+from actors.engine.packing import pack_sequences
 from planning.models import ModelSpec, tp_split_dim
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Tests of actors/advantages.py and actors/losses.py against plain per-sequence loop references."""
+"""Tests of actors.rl.advantages and actors.rl.losses against plain per-sequence loop references."""
 
 from __future__ import annotations
 
@@ -8,14 +8,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.advantages import (
-    AdaptiveKLController, FixedKLController, broadcast_to_tokens, discounted_gae,
-    grpo_outcome_advantages, make_kl_controller, masked_whiten, ppo_advantages, remax_advantages,
+from actors.rl.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    broadcast_to_tokens,
+    discounted_gae,
+    grpo_outcome_advantages,
+    make_kl_controller,
+    masked_whiten,
+    ppo_advantages,
+    remax_advantages,
     token_level_rewards,
 )
-from actors.losses import (
-    LossSums, aggregate, combine_losses, dpo_loss, entropy_term, kl_loss, kl_penalty, ppo_policy_loss,
-    sequence_logprob_sums, sft_loss, value_loss,
+from actors.rl.losses import (
+    LossSums,
+    aggregate,
+    combine_losses,
+    dpo_loss,
+    entropy_term,
+    kl_loss,
+    kl_penalty,
+    ppo_policy_loss,
+    sequence_logprob_sums,
+    sft_loss,
+    value_loss,
 )
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Parity of actors/model.py with transformers (Llama incl. llama3 rope + tied, Qwen2, Mistral),
+"""Parity of actors.engine.model with transformers (Llama incl. llama3 rope + tied, Qwen2, Mistral),
 packing, the critic head, init and the KV cache (decode vs full recomputation). CPU, float32."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from actors.attention import KVCache, packed_causal_mask
-from actors.model import Transformer, rope_cos_sin, rope_inv_freq
-from actors.packing import PackedBatch, pack_sequences, unpack_sequences
+from actors.engine.attention import KVCache, packed_causal_mask
+from actors.engine.model import Transformer, rope_cos_sin, rope_inv_freq
+from actors.engine.packing import PackedBatch, pack_sequences, unpack_sequences
 from planning.models import ModelSpec, param_specs
 
 torch.set_num_threads(1)
@@ -252,7 +252,7 @@ def _cuda_model(dtype: torch.dtype, sliding_window: int | None = None) -> Transf
 @pytest.mark.parametrize("sliding_window", [None, 5])
 def test_cuda_kernels_match_sdpa(sliding_window: int | None) -> None:
     """varlen_attn / flash_attn (bf16) agree with the SDPA mask path in forward and backward."""
-    from actors.attention import flash_attn_available, varlen_attn_available
+    from actors.engine.attention import flash_attn_available, varlen_attn_available
 
     model = _cuda_model(torch.bfloat16, sliding_window)
     tokens, batch = pack_sequences(random_seqs(128, [7, 33, 1, 20]), device="cuda")
@@ -294,7 +294,7 @@ def test_cuda_kv_cache_decode() -> None:
 def test_cuda_kernel_window_convention(sliding_window: int | None) -> None:
     """At the attention level the kernels match SDPA closely, and a window one key wider does
     not (so the (left, 0) translation of HF's window is exact, not off by one)."""
-    from actors.attention import packed_attention, varlen_attn_available
+    from actors.engine.attention import packed_attention, varlen_attn_available
 
     if not varlen_attn_available():
         pytest.skip("torch.nn.attention.varlen not installed")

@@ -16,9 +16,20 @@ from typing import Any
 import pytest
 import torch
 
-from actors.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s, solve_efficiency
-from actors.profiler import (
-    MIN_EFFICIENCY, EngineTiming, ProfileSettings, tp_fwd_bwd_seconds, cut_model, measure_collectives,
+from actors.worker.profile_fit import (
+    fit_efficiency,
+    fit_tp_comm,
+    predicted_seconds,
+    predicted_tp_fwd_bwd_s,
+    solve_efficiency,
+)
+from actors.worker.profiler import (
+    MIN_EFFICIENCY,
+    EngineTiming,
+    ProfileSettings,
+    cut_model,
+    measure_collectives,
+    tp_fwd_bwd_seconds,
 )
 from app.__main__ import main
 from app.cli_profile import default_preset, format_table

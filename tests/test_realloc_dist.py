@@ -1,10 +1,10 @@
-"""Parameter reallocation executor (actors/realloc.py): exact resharding over gloo, plus its schedule
-(actors/realloc_schedule.py), its process-group cache, and the memory rules of actors/offload.py.
+"""Parameter reallocation executor (actors.realloc.executor): exact resharding over gloo, plus its schedule
+(actors.realloc.schedule), its process-group cache, and the memory rules of actors.realloc.offload.
 
 The dist test spawns 4 processes once and runs the whole grid of (source, destination) placements
 inside them: every rank builds the same seeded full model, slices its source shards with
 `shard_slice`, executes the plan, and checks its destination shards equal the full model's slices.
-A second spawn does the same through the parallel engine (actors/engine.py): outputs under the
+A second spawn does the same through the parallel engine (actors.engine.model_engine): outputs under the
 destination equal those under the source, and a train (A) -> infer (B) -> A round trip leaves the
 trainable copy untouched while B gives the trained outputs.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.distributed import build_parallel_groups
-from actors.engine import ModelEngine, SequenceBatch
-from actors.losses import LossSums
-from actors.offload import ModelCopies, offload_to_cpu, reload_to_device
-from actors.optim import AdamWConfig
-from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation
-from actors.realloc_schedule import build_schedule, destination_slices, round_sizes
+from actors.engine.model_engine import ModelEngine, SequenceBatch
+from actors.engine.optimizer import AdamWConfig
+from actors.engine.process_groups import build_parallel_groups
+from actors.realloc.executor import ReallocGroups, broadcast_groups, execute_reallocation
+from actors.realloc.offload import ModelCopies, offload_to_cpu, reload_to_device
+from actors.realloc.schedule import build_schedule, destination_slices, round_sizes
+from actors.rl.losses import LossSums
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec, param_specs
 from planning.plan import Placement

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.realloc import ReallocGroups, broadcast_groups, execute_reallocation, pull_group
+from actors.realloc.executor import ReallocGroups, broadcast_groups, execute_reallocation
+from actors.realloc.pull import pull_group
 from planning.realloc_plan import plan_reallocation
 from tests.dist_harness import run_distributed
 from tests.test_realloc_program import PAIRS, SPEC, _full, _p, _shards

@@ -1,5 +1,5 @@
-"""The compiled, cached per-rank reallocation program (actors/realloc_program.py
-`compile_rank_program`, used by actors/realloc.py): its byte counts, buffers and views agree with
+"""The compiled, cached per-rank reallocation program (actors.realloc.program
+`compile_rank_program`, used by actors.realloc.executor): its byte counts, buffers and views agree with
 the plan; the destination shards are views of one flat buffer, received straight into where the
 layout allows; repeated executions of one plan object reuse the program and stay exact with fresh
 source tensors, also for source shards that are non-contiguous, require grad or need a cast.
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import actors.realloc_cache as realloc_cache
-from actors.realloc import ReallocGroups, execute_reallocation
-from actors.realloc_program import ALIGN_BYTES, RankMessage, RankProgram, compile_rank_program
-from actors.realloc_schedule import build_schedule, destination_slices, source_offsets
-from actors.triton_support import triton_runs
+import actors.realloc.cache as realloc_cache
+from actors.kernels.switch import triton_runs
+from actors.realloc.executor import ReallocGroups, execute_reallocation
+from actors.realloc.program import ALIGN_BYTES, RankMessage, RankProgram, compile_rank_program
+from actors.realloc.schedule import build_schedule, destination_slices, source_offsets
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec, param_specs
 from planning.plan import Placement

@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.advantages import broadcast_to_tokens, grpo_outcome_advantages
-from actors.losses import ppo_policy_loss
+from actors.rl.advantages import broadcast_to_tokens, grpo_outcome_advantages
+from actors.rl.losses import ppo_policy_loss
 from app.rewards import RewardLoadError, load_reward_fn, math_exact_match
 from app.toy_task import (
-    BOS_ID, EOS_ID, SHIPPED_TOY_N, SHIPPED_TOY_PATH, SHIPPED_TOY_SEED, CharTokenizer, generate_toy_prompts,
-    toy_reward, toy_target,
+    BOS_ID,
+    EOS_ID,
+    SHIPPED_TOY_N,
+    SHIPPED_TOY_PATH,
+    SHIPPED_TOY_SEED,
+    CharTokenizer,
+    generate_toy_prompts,
+    toy_reward,
+    toy_target,
 )
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""The multi-copy kernel of actors/segment_copy.py and the reallocation tables built for it
-(actors/realloc_copies.py): the kernel (Triton's interpreter on CPU) makes exactly the copies of
+"""The multi-copy kernel of actors.kernels.segment_copy and the reallocation tables built for it
+(actors.realloc.copies): the kernel (Triton's interpreter on CPU) makes exactly the copies of
 its torch reference, for copies out of several source tensors, dense and strided, aligned or not;
 every reallocation program of the test pairs fits the kernel, and the executor's kernel path is
 exact and refuses inputs it cannot take.
@@ -10,14 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.realloc import ReallocGroups, execute_reallocation, pull_group, release_peer_mappings
-from actors.realloc_cache import PROGRAMS, PULLS
-from actors.realloc_copies import compile_copy_tables, local_copies
-from actors.realloc_program import compile_rank_program
-from actors.realloc_pull import PeerSources, PullSession, pull_copies
-from actors.realloc_schedule import build_schedule, source_offsets
-from actors.segment_copy import BLOCK_C, BLOCK_R, Copy2D, CopyTable, copy_reference, resolve_fields, source_deltas
-from actors.triton_support import triton_runs
+from actors.kernels.segment_copy import (
+    BLOCK_C,
+    BLOCK_R,
+    Copy2D,
+    CopyTable,
+    copy_reference,
+    resolve_fields,
+    source_deltas,
+)
+from actors.kernels.switch import triton_runs
+from actors.realloc.cache import PROGRAMS, PULLS
+from actors.realloc.copies import compile_copy_tables, local_copies
+from actors.realloc.executor import ReallocGroups, execute_reallocation, release_peer_mappings
+from actors.realloc.program import compile_rank_program
+from actors.realloc.pull import PeerSources, PullSession, pull_copies, pull_group
+from actors.realloc.schedule import build_schedule, source_offsets
 from planning.realloc_plan import plan_reallocation
 from tests.test_realloc_program import PAIRS, SPEC, _full, _p, _shards
 
@@ -46,7 +54,7 @@ def _random_copies(gen: torch.Generator, sources: list[torch.Tensor], dst_numel:
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(dtype: torch.dtype) -> None:
-    from actors.segment_copy import launch_copies  # noqa: PLC0415 (needs triton)
+    from actors.kernels.segment_copy import launch_copies  # noqa: PLC0415 (needs triton)
 
     gen = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=gen).to(dtype) for n in (5000, 12000, 700)]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_harness import run_distributed
 
-from actors.distributed import build_parallel_groups
-from actors.logprobs import token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs
-from actors.tp_layers import (
+from actors.engine.logprobs import token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs
+from actors.engine.process_groups import build_parallel_groups
+from actors.engine.tp_layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -21,7 +22,6 @@ from actors.tp_layers import (
     VocabParallelEmbedding,
 )
 from planning.layout import Layout
-from dist_harness import run_distributed
 
 ATOL = 1e-5
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.worker import CallSpec, ModelWorker, placement_group_sets
+from actors.worker.model_worker import CallSpec, ModelWorker, placement_group_sets
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -238,7 +238,7 @@ def _nccl_rank(rank: int, world_size: int, port: int, tmp: str, results: Any) ->
 def test_ppo_iterations_on_two_gpus(tmp_path: Path) -> None:
     import multiprocessing as mp
 
-    from actors.distributed import free_port
+    from actors.engine.process_groups import free_port
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

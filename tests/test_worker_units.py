@@ -9,17 +9,25 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine import SequenceBatch
-from actors.planner import PlannerService
-from actors.worker import CallSpec, ModelWorker
-from actors.worker_calls import default_op, generation_seed
-from actors.worker_data import dp_rows, gather_responses, import_object, merge_shards, pack_rows, reward_score, scatter_responses
+from actors.engine.model_engine import SequenceBatch
+from actors.worker.calls import default_op, generation_seed
+from actors.worker.data import (
+    dp_rows,
+    gather_responses,
+    import_object,
+    merge_shards,
+    pack_rows,
+    reward_score,
+    scatter_responses,
+)
+from actors.worker.model_worker import CallSpec, ModelWorker
 from planning.cost import rlhf_problem
 from planning.dataflow import BatchShape, ppo_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement
+from planning.planner_service import PlannerService
 from planning.search import search_plan
 
 SPEC = ModelSpec("unit", "llama", vocab_size=256, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=4,
@@ -209,7 +217,7 @@ def test_planner_service_matches_search_plan() -> None:
 
 @pytest.mark.unit
 def test_select_rows_keeps_token_data_aligned() -> None:
-    from actors.worker_train import select_rows
+    from actors.worker.train import select_rows
 
     batch = SequenceBatch(torch.arange(7), (3, 4), {"m": torch.arange(7).float()}, {"s": torch.tensor([10.0, 20.0])})
     sub = select_rows(batch, [1, 0])

@@ -6,7 +6,7 @@ that tell a ModelWorker what to compute (op name, sampling, hyperparameters, los
     params = call_params(settings, mfc, kl_coef=kl_controller.value)
 
 The graphs themselves are `planning.dataflow.{ppo,grpo,remax,dpo}_graph`; the worker-side
-computations are in actors/worker_calls.py and actors/worker_train.py. DPO reads preference pairs
+computations are in actors.worker.calls and actors.worker.train. DPO reads preference pairs
 instead of generating (see app/algorithms/dpo.py); its pairs stay together in every dp and
 micro-batch split (SequenceBatch.group_size=2).
 """

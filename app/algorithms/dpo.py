@@ -7,7 +7,7 @@ chosen answer of pair i and row 2i + 1 is prompt + rejected answer, see `prefere
   ref_inf      logprobs    ref_logprobs per response token under the reference (temperature 1)
   actor_train  dpo_actor   -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h), with
                            h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)) summed
-                           over the answer tokens (actors.losses.dpo_loss), ppo_epochs x
+                           over the answer tokens (actors.rl.losses.dpo_loss), ppo_epochs x
                            ppo_minibatches optimizer steps over shuffled pairs. The engine's dp
                            and micro-batch splits keep each pair together (group_size=2).
                            Metrics: actor/dpo_loss, actor/reward_margin, actor/rewards_chosen,

@@ -1,5 +1,5 @@
 """PPO (Ouyang et al. 2022 / veRL recipe): what each call of the PPO graph computes, and with which
-hyperparameters. The worker-side code is actors/worker_calls.py and actors/worker_train.py; this
+hyperparameters. The worker-side code is actors.worker.calls and actors.worker.train; this
 module only fills `CallSpec.params` (the op name selects the computation and its loss).
 
 Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it produces:
@@ -13,10 +13,10 @@ Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it pr
   actor_train  ppo_actor     KL-shaped rewards (kl_coef * k1/k2/k3 estimate, fixed or adaptive
                              coefficient), GAE with the critic's values, advantage whitening, then
                              ppo_epochs x ppo_minibatches steps of the clipped surrogate
-                             (actors.losses.ppo_policy_loss, + entropy bonus) on logprobs recomputed
+                             (actors.rl.losses.ppo_policy_loss, + entropy bonus) on logprobs recomputed
                              under the train layout; metrics actor/pg_loss, actor/pg_clipfrac,
                              actor/ppo_kl, actor/kl, actor/grad_norm, actor/lr, rollout/*
-  critic_train ppo_critic    the same GAE returns; clipped value loss (actors.losses.value_loss);
+  critic_train ppo_critic    the same GAE returns; clipped value loss (actors.rl.losses.value_loss);
                              metrics critic/vf_loss, critic/vf_clipfrac, critic/grad_norm
 """
 

@@ -1,0 +1,44 @@
+"""The model engine: a plain LLaMA-family model, its parallel layers, and one rank's shard of it
+under a (dp, tp, pp) layout with train and inference steps.
+
+May import actors.kernels and actors.rl (the `LossSums` a loss returns), never generation,
+realloc or worker. In dependency order:
+  process_groups  `ParallelGroups`, the frozen per-layout groups every parallel component takes
+  packing         `PackedBatch`: sequences concatenated with `cu_seqlens`, no padding
+  attention       causal attention over packed batches (varlen / flash / SDPA) and the KV cache
+  model           the plain decoder (Llama 2/3, Qwen2, Mistral), no torch.distributed
+  tp_layers       Column/RowParallelLinear, VocabParallelEmbedding and the region mappings
+  parallelize     keep_pp_stage -> apply_tp -> materialise: the shard one rank holds
+  pipeline        micro-batch splitting, 1F1B training and fill-drain inference schedules
+  logprobs        token logprobs and entropy from vocab-parallel logits
+  optimizer       AdamW with fp32 master weights sharded over dp (ZeRO-1), LR schedule
+  model_engine    `ModelEngine`: train and inference steps over `SequenceBatch`es
+  hf_io           safetensors slices into a shard, shards back into an HF directory
+"""
+
+from __future__ import annotations
+
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world
+from actors.engine.packing import PackedBatch, pack_sequences
+from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
+from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
+from actors.engine.optimizer import AdamWConfig, ShardedAdamW, adamw_config_from
+from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
+from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
+
+__all__ = [
+    # process_groups.py
+    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world",
+    # packing.py
+    "PackedBatch", "pack_sequences",
+    # attention.py
+    "CacheLayerShape", "KVCache", "expand_kv_heads", "packed_attention",
+    # parallelize.py
+    "build_model_shard", "named_trainable_parameters", "norm_excluded_names",
+    # optimizer.py
+    "AdamWConfig", "ShardedAdamW", "adamw_config_from",
+    # model_engine.py
+    "LossFn", "ModelEngine", "SequenceBatch",
+    # hf_io.py
+    "export_hf_checkpoint", "gather_tp_shards", "load_hf_checkpoint", "merge_stage_states",
+]

@@ -1,0 +1,257 @@
+"""Attention kernels over packed batches, and the static KV cache used for generation.
+
+Three backends compute causal attention over a packed batch (sequences concatenated, no padding):
+- "varlen": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16);
+- "flash": `flash_attn.flash_attn_varlen_func` when the package is installed (CUDA, fp16/bf16);
+- "sdpa": `F.scaled_dot_product_attention` with a block-diagonal causal mask built from
+  `cu_seqlens`; runs everywhere (the CPU path) and supports float32.
+"auto" picks a kernel by device and dtype; a backend can be forced by name.
+
+`KVCache` holds per-layer K/V [n_seqs, max_len, n_kv_local, head_dim] and per-sequence lengths.
+The model's forward runs in two phases with a cache: prefill (packed prompts, attention over the
+prompt only, K/V written into the cache) and decode (one token per sequence, appended to the
+cache, attention over the cache with a length mask; static shapes, no host sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from actors.engine.packing import PackedBatch
+
+BACKENDS = ("auto", "varlen", "flash", "sdpa")
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def varlen_attn_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether the installed varlen_attn has `enable_gqa` (added in torch 2.12)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Concrete backend for `backend` ("auto" or a forced name) on this device and dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: unknown; allowed: {', '.join(BACKENDS)}")
+    half = dtype in (torch.float16, torch.bfloat16)
+    if backend == "auto":
+        if device.type == "cuda" and half:
+            if flash_attn_available():
+                return "flash"
+            if varlen_attn_available():
+                return "varlen"
+        return "sdpa"
+    if backend in ("varlen", "flash"):
+        available = varlen_attn_available() if backend == "varlen" else flash_attn_available()
+        if device.type != "cuda" or not half or not available:
+            raise ValueError(
+                f"attention backend {backend!r}: needs CUDA, fp16/bf16 and the kernel installed "
+                f"(device={device.type}, dtype={dtype}, installed={available}); use 'sdpa' or 'auto'"
+            )
+    return backend
+
+
+def packed_causal_mask(batch: PackedBatch, sliding_window: int | None = None) -> Tensor:
+    """bool [T, T]: token i may attend token j (same sequence, j <= i, within the window)."""
+    seq = batch.seq_ids()
+    pos = batch.positions
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if sliding_window is not None:
+        # HF's convention: key j is visible from query i when i - j < sliding_window.
+        allowed &= (pos[:, None] - pos[None, :]) < sliding_window
+    return allowed
+
+
+def expand_kv_heads(kv: Tensor, kv_index: Tensor | None) -> Tensor:
+    """Pick one KV head per local query head along dim -2 when the GQA map is not a plain repeat
+    (K/V replicated under tensor parallelism). kv: [..., n_kv, D] -> [..., n_q_local, D]."""
+    return kv if kv_index is None else kv.index_select(-2, kv_index)
+
+
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: PackedBatch,
+    backend: str = "auto",
+    sliding_window: int | None = None,
+    kv_index: Tensor | None = None,
+) -> Tensor:
+    """Causal attention within each packed sequence.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D] with Hq a multiple of Hkv (grouped-query attention), or any
+    Hkv when `kv_index` [Hq] maps each query head to its KV head. Returns [T, Hq, D].
+    """
+    k, v = expand_kv_heads(k, kv_index), expand_kv_heads(v, kv_index)
+    name = resolve_backend(backend, q.device, q.dtype)
+    scale = q.shape[-1] ** -0.5
+    if name == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        return flash_attn_varlen_func(
+            q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
+            softmax_scale=scale, causal=True, window_size=window,
+        )
+    if name == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        # (left, 0) is causal attention limited to `left` earlier keys; (-1, 0) is plain causal.
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+        gqa: dict[str, bool] = {}
+        if k.shape[1] != q.shape[1]:
+            if _varlen_takes_gqa():
+                gqa["enable_gqa"] = True
+            else:  # torch < 2.12: repeat each KV head for its query heads ([T, Hkv, D] -> [T, Hq, D])
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return varlen_attn(
+            q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
+            scale=scale, window_size=window, **gqa,
+        )
+    mask = packed_causal_mask(batch, sliding_window)
+    # SDPA takes [batch, heads, seq, dim]: the whole pack is one "batch" row; the mask keeps
+    # sequences apart. q.transpose: [T, H, D] -> [1, H, T, D].
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class CacheLayerShape:
+    """Local K/V geometry of one attention layer (after tensor parallelism)."""
+
+    n_kv_heads: int
+    head_dim: int
+
+
+class KVCache:
+    """Static K/V cache for a fixed set of sequences, keyed by global layer index.
+
+    k[layer], v[layer]: [n_seqs, max_len, n_kv_local, head_dim]; lengths: int64 [n_seqs], tokens
+    already cached per sequence (equal across layers). `prefilled` is False until the first
+    forward (the prefill) has written the prompts; later forwards are decode steps.
+    """
+
+    def __init__(
+        self,
+        layers: dict[int, CacheLayerShape],
+        n_seqs: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if n_seqs < 1 or max_len < 1:
+            raise ValueError(f"KVCache: n_seqs={n_seqs}, max_len={max_len}; both must be >= 1")
+        self.n_seqs = n_seqs
+        self.max_len = max_len
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+        for idx, shape in layers.items():
+            size = (n_seqs, max_len, shape.n_kv_heads, shape.head_dim)
+            self.k[idx] = torch.zeros(size, dtype=dtype, device=device)
+            self.v[idx] = torch.zeros(size, dtype=dtype, device=device)
+        self.lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
+        self.prefilled = False
+
+    @staticmethod
+    def for_model(
+        model: torch.nn.Module,
+        n_seqs: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache sized for the attention layers `model` (a `Transformer` or stage) holds."""
+        layers = {
+            int(idx): CacheLayerShape(layer.self_attn.n_kv_heads, layer.self_attn.head_dim)
+            for idx, layer in model.model.layers.items()
+        }
+        param = next(model.parameters())
+        return KVCache(layers, n_seqs, max_len, dtype or param.dtype, device or param.device)
+
+    def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
+        """Concatenated [q; k; v] (weight, bias) for decode steps of `layer`, or None (the model
+        then runs its three projections). This cache keeps none."""
+        return None
+
+    def reset(self) -> None:
+        """Forget all cached tokens (buffers are kept, so CUDA graphs stay valid)."""
+        self.lengths.zero_()
+        self.prefilled = False
+
+    def decode_batch(self) -> PackedBatch:
+        """Boundaries of a decode step: one token per sequence at position `lengths`."""
+        cu = torch.arange(self.n_seqs + 1, dtype=torch.int32, device=self.lengths.device)
+        return PackedBatch(cu_seqlens=cu, positions=self.lengths.clone(), max_seqlen=1)
+
+    # ---- attention with the cache ------------------------------------------------------------
+    def prefill(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
+        sliding_window: int | None, kv_index: Tensor | None,
+    ) -> Tensor:
+        """Write packed prompt K/V [T, Hkv, D] into the cache and attend over the prompts."""
+        if batch.n_seqs != self.n_seqs:
+            raise ValueError(f"prefill: batch has {batch.n_seqs} sequences, cache holds {self.n_seqs}")
+        if batch.max_seqlen > self.max_len:
+            raise ValueError(f"prefill: prompt of {batch.max_seqlen} tokens exceeds cache max_len={self.max_len}")
+        seq, pos = batch.seq_ids(), batch.positions
+        self.k[layer][seq, pos] = k.to(self.k[layer].dtype)
+        self.v[layer][seq, pos] = v.to(self.v[layer].dtype)
+        return packed_attention(q, k, v, batch, backend, sliding_window, kv_index)
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sliding_window: int | None,
+               kv_index: Tensor | None) -> Tensor:
+        """Append one token per sequence (q: [B, Hq, D], k/v: [B, Hkv, D]) and attend over the
+        cache. Static shapes and no host sync, so the step can be captured in a CUDA graph."""
+        rows = torch.arange(self.n_seqs, device=q.device)
+        # A full sequence (length max_len) overwrites its last slot instead of indexing out of
+        # bounds: no host check is possible in a captured step; size max_len to prompt + new tokens.
+        slot = self.lengths.clamp(max=self.max_len - 1)
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        cache_k[rows, slot] = k.to(cache_k.dtype)
+        cache_v[rows, slot] = v.to(cache_v.dtype)
+        # Key slot j of sequence b is visible when j <= lengths[b] (the new token included).
+        slots = torch.arange(self.max_len, device=q.device)
+        visible = slots[None, :] <= self.lengths[:, None]
+        if sliding_window is not None:
+            visible &= slots[None, :] > self.lengths[:, None] - sliding_window
+        keys = expand_kv_heads(cache_k, kv_index).transpose(1, 2)  # [B, H, max_len, D]
+        values = expand_kv_heads(cache_v, kv_index).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None, None, :],
+            scale=q.shape[-1] ** -0.5, enable_gqa=keys.shape[1] != q.shape[1],
+        )  # [B, Hq, 1, D]
+        return out.squeeze(2)
+
+    def advance(self, batch: PackedBatch) -> None:
+        """Record the tokens a forward added: the prompts after prefill, one token after decode."""
+        if not self.prefilled:
+            self.lengths.copy_((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(torch.int64))
+            self.prefilled = True
+        else:
+            self.lengths.add_(1)
+
+
+__all__ = [
+    "BACKENDS", "CacheLayerShape", "KVCache", "expand_kv_heads", "flash_attn_available", "packed_attention",
+    "packed_causal_mask", "resolve_backend", "varlen_attn_available",
+]

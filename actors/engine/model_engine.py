@@ -1,0 +1,262 @@
+"""ModelEngine: one rank's model shard under a (dp, tp, pp) layout, with train and inference steps.
+
+Batches (`SequenceBatch`) are packed token streams plus named per-token [T] and per-sequence
+[B] tensors. Every rank of the mesh is given the same global batch; dp rank d keeps the
+sequences `split_by_tokens(lengths, dp)[d]` (contiguous, token-balanced) and splits them again
+into micro-batches for the pipeline, so the split is identical on all ranks without talking.
+
+Output convention (the one of actors.rl.advantages): entry i is about token i.
+  forward_logprobs: logprobs[i] = log p(token_i | tokens before it in its sequence); each
+                    sequence's first entry is 0 (nothing predicts it).
+  forward_values (shift=True, critics): values[i] = V(state before token i) = the value head at
+                    position i - 1; first entry 0. shift=False (reward models): the head's output
+                    at position i, so a sequence's score is its entry at its last token.
+
+Loss normalisation rule (exactly the serial full-batch gradient under any layout and any
+micro-batch count): `loss_fn(out [T_mb], data) -> LossSums` (actors.rl.losses) returns SUMS and
+a count. Each micro-batch back-propagates its un-normalised sum; the counts are summed over
+micro-batches and dp; the optimizer multiplies the dp-summed gradient by 1 / global count before
+clipping. Metrics are reported the same way: loss and each statistic summed, divided by the
+global count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from actors.engine.logprobs import shift_to_token_positions, token_logprobs, vocab_parallel_entropy
+from actors.engine.model import Transformer
+from actors.engine.optimizer import AdamWConfig, ShardedAdamW
+from actors.engine.packing import PackedBatch
+from actors.engine.parallelize import (
+    build_model_shard,
+    named_trainable_parameters,
+    norm_excluded_names,
+    sync_model_parallel_grads,
+)
+from actors.engine.pipeline import MicroBatch, forward_fill_drain, split_by_tokens, train_1f1b
+from actors.engine.process_groups import ParallelGroups
+from actors.rl import LossSums
+from planning.models import ModelSpec
+
+LossFn = Callable[[Tensor, dict[str, Tensor]], LossSums]
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """A packed batch on the host or device.
+
+    tokens: int64 [T]; lengths: per-sequence token counts (sum T); token_data: per-token [T, ...]
+    tensors (loss masks, advantages, old logprobs); seq_data: per-sequence [B, ...] tensors.
+    group_size: consecutive sequences that dp and micro-batch splits never separate (2 for DPO's
+    chosen/rejected pairs; B must be a multiple of it).
+    """
+
+    tokens: Tensor
+    lengths: tuple[int, ...]
+    token_data: dict[str, Tensor] = field(default_factory=dict)
+    seq_data: dict[str, Tensor] = field(default_factory=dict)
+    group_size: int = 1
+
+    def __post_init__(self) -> None:
+        total = sum(self.lengths)
+        if self.tokens.dim() != 1 or self.tokens.numel() != total:
+            raise ValueError(f"tokens: shape {tuple(self.tokens.shape)}; must be [sum(lengths)] = [{total}]")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"lengths={self.lengths}: need at least one sequence, each of length >= 1")
+        if self.group_size < 1 or len(self.lengths) % self.group_size:
+            raise ValueError(f"group_size={self.group_size}: must be >= 1 and divide the {len(self.lengths)} sequences")
+        for name, value in self.token_data.items():
+            if value.shape[:1] != (total,):
+                raise ValueError(f"token_data[{name!r}]: shape {tuple(value.shape)}; must start with T={total}")
+        for name, value in self.seq_data.items():
+            if value.shape[:1] != (len(self.lengths),):
+                raise ValueError(f"seq_data[{name!r}]: shape {tuple(value.shape)}; "
+                                 f"must start with B={len(self.lengths)}")
+
+    def select(self, seqs: range) -> SequenceBatch:
+        """The contiguous sub-batch of sequences `seqs`."""
+        start = sum(self.lengths[:seqs.start])
+        end = start + sum(self.lengths[seqs.start:seqs.stop])
+        return SequenceBatch(
+            tokens=self.tokens[start:end],
+            lengths=tuple(self.lengths[seqs.start:seqs.stop]),
+            token_data={k: v[start:end] for k, v in self.token_data.items()},
+            seq_data={k: v[seqs.start:seqs.stop] for k, v in self.seq_data.items()},
+            group_size=self.group_size,
+        )
+
+    def micro_batch(self, device: torch.device | str) -> MicroBatch:
+        """On `device`, with the loss inputs merged into one dict (plus "cu_seqlens" int32 [B+1])."""
+        packed = PackedBatch.from_lengths(list(self.lengths), device)
+        data = {k: v.to(device) for k, v in {**self.token_data, **self.seq_data}.items()}
+        data["cu_seqlens"] = packed.cu_seqlens
+        return MicroBatch(self.tokens.to(device), packed, data)
+
+
+class ModelEngine:
+    """One rank's shard of an actor or critic, its groups and (for training) its optimizer.
+
+    Every rank of the layout's mesh calls the same methods with the same arguments in the same
+    order (they are collective over the mesh).
+    """
+
+    def __init__(self, spec: ModelSpec, critic: bool, groups: ParallelGroups, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32, seed: int | None = 0,
+                 optim_config: AdamWConfig | None = None, model: Transformer | None = None) -> None:
+        self.spec, self.critic, self.groups = spec, critic, groups
+        self.device, self.dtype = torch.device(device), dtype
+        coords = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
+        # A given model (e.g. filled by a checkpoint load or a reallocation) must be this rank's shard.
+        self.model = model if model is not None else build_model_shard(
+            spec, critic, groups.layout, coords, groups, self.device, dtype, seed)
+        self.optim_config = optim_config
+        self._optimizer: ShardedAdamW | None = None
+        if groups.pp_group is not None:
+            # A first collective over the pipeline group sets up its communicator on every member
+            # (NCCL needs this before batched p2p calls that involve only some of them).
+            dist.all_reduce(torch.zeros(1, device=self.device), group=groups.pp_group)
+
+    @property
+    def optimizer(self) -> ShardedAdamW:
+        """The ZeRO-1 optimizer, created on first use so that its fp32 master copy is taken from
+        the weights as they are then (after any checkpoint load). Call its `reload_master()` after
+        overwriting the weights later."""
+        if self._optimizer is None:
+            if self.optim_config is None:
+                raise ValueError("optimizer: this engine was built without optim_config and none was set")
+            self._optimizer = ShardedAdamW(named_trainable_parameters(self.model), self.optim_config,
+                                           self.groups.dp_group, self.groups.mesh_group,
+                                           norm_excluded_names(self.model, self.spec, self.groups))
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: ShardedAdamW) -> None:
+        """Install an optimizer built elsewhere (e.g. after a checkpoint load)."""
+        self._optimizer = optimizer
+
+    # ---- batch splitting -------------------------------------------------------------------------
+    def dp_share(self, batch: SequenceBatch) -> SequenceBatch:
+        """The sequences of `batch` this dp rank processes."""
+        parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
+        return batch.select(parts[self.groups.dp_rank])
+
+    def _micro_batches(self, share: SequenceBatch, n_micro: int) -> list[MicroBatch]:
+        if n_micro < 1:
+            raise ValueError(f"n_micro={n_micro}: must be >= 1")
+        n_groups = len(share.lengths) // share.group_size
+        parts = split_by_tokens(list(share.lengths), min(n_micro, n_groups), share.group_size)
+        return [share.select(part).micro_batch(self.device) for part in parts]
+
+    # ---- heads -------------------------------------------------------------------------------------
+    def _per_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
+        """Head output -> float32 [T_mb] in the token convention (see module docstring)."""
+        if self.critic:
+            return shift_to_token_positions(out, mb.packed.cu_seqlens) if shift else out
+        return token_logprobs(out, mb.tokens, mb.packed.cu_seqlens, self.groups.tp_group, temperature)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def backward_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
+                      with_entropy: bool = False, shift_values: bool = True) -> tuple[dict[str, float], float]:
+        """Forward + backward over this rank's share, leaving un-normalised gradient sums in .grad
+        (tp/tied-embedding fix-ups applied, dp not yet reduced). Returns (metrics, global count).
+
+        loss_fn gets (logprobs or values [T_mb], data) where data holds the micro-batch's
+        token_data and seq_data, "cu_seqlens" and, with `with_entropy` (actors only), the
+        differentiable per-token "entropy" [T_mb] in the same token convention.
+        """
+        sums: list[LossSums] = []
+
+        def micro_loss(out: Tensor, mb: MicroBatch) -> Tensor:
+            data = dict(mb.data)
+            if with_entropy and not self.critic:
+                entropy = vocab_parallel_entropy(out, self.groups.tp_group, temperature)
+                data["entropy"] = shift_to_token_positions(entropy, mb.packed.cu_seqlens)
+            result = loss_fn(self._per_token(out, mb, temperature, shift_values), data)
+            sums.append(result)
+            return result.loss
+
+        micro = self._micro_batches(self.dp_share(batch), n_micro)
+        train_1f1b(self.model, micro, self.groups, micro_loss, self.spec.hidden_size, self.dtype)
+        sync_model_parallel_grads(self.model, self.groups)
+        return self._reduce_metrics(sums)
+
+    def _reduce_metrics(self, sums: list[LossSums]) -> tuple[dict[str, float], float]:
+        """Sum the last stage's loss sums over micro-batches and dp, share them along the pipeline."""
+        g = self.groups
+        payload: list[object] = [None]
+        if g.is_last_stage:
+            keys = sorted(sums[0].stats)
+            values = torch.stack([
+                torch.stack([s.loss.detach().float(), s.count.float(), *[s.stats[k].float() for k in keys]])
+                for s in sums
+            ]).sum(dim=0)
+            if g.dp_group is not None:
+                dist.all_reduce(values, group=g.dp_group)
+            payload = [(keys, values.tolist())]
+        if g.pp_group is not None:
+            dist.broadcast_object_list(payload, src=g.last_stage_rank, group=g.pp_group)
+        keys, values = payload[0]
+        loss, count, stats = values[0], values[1], values[2:]
+        denom = count if count > 0 else 1.0
+        metrics = {"loss": loss / denom, "count": count, **{k: v / denom for k, v in zip(keys, stats)}}
+        return metrics, count
+
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
+                   with_entropy: bool = False, shift_values: bool = True) -> dict[str, float]:
+        """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr."""
+        self.optimizer.zero_grad()
+        metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values)
+        metrics.update(self.optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0))
+        return metrics
+
+    # ---- inference ---------------------------------------------------------------------------------
+    def _forward(self, batch: SequenceBatch, n_micro: int, temperature: float, shift: bool, gather_dp: bool) -> Tensor:
+        share = self.dp_share(batch)
+        micro = self._micro_batches(share, n_micro)
+        self.model.eval()
+        try:
+            outs = forward_fill_drain(self.model, micro, self.groups,
+                                      lambda out, mb: self._per_token(out, mb, temperature, shift),
+                                      self.spec.hidden_size, self.dtype)
+        finally:
+            self.model.train()
+        g = self.groups
+        local = torch.cat(outs) if outs else torch.empty(share.tokens.numel(), device=self.device)
+        if g.pp_group is not None:
+            dist.broadcast(local, src=g.last_stage_rank, group=g.pp_group)
+        if not gather_dp or g.dp_group is None:
+            return local
+        return self._gather_dp(local, batch)
+
+    def _gather_dp(self, local: Tensor, batch: SequenceBatch) -> Tensor:
+        """Concatenate every dp rank's [T_share] output in dp order -> [T]."""
+        parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
+        sizes = [sum(batch.lengths[p.start:p.stop]) for p in parts]
+        padded = torch.zeros(max(sizes), dtype=local.dtype, device=local.device)
+        padded[:local.numel()] = local
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded, group=self.groups.dp_group)
+        return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+
+    def forward_logprobs(self, batch: SequenceBatch, n_micro: int = 1, temperature: float = 1.0,
+                         gather_dp: bool = True) -> Tensor:
+        """float32 [T] token logprobs (module docstring), on every rank; [T_share] without gather_dp."""
+        if self.critic:
+            raise ValueError("forward_logprobs: this engine holds a critic; use forward_values")
+        return self._forward(batch, n_micro, temperature, shift=False, gather_dp=gather_dp)
+
+    def forward_values(self, batch: SequenceBatch, n_micro: int = 1, shift: bool = True,
+                       gather_dp: bool = True) -> Tensor:
+        """float32 [T] values (critic, shift=True) or per-position scores (reward, shift=False)."""
+        if not self.critic:
+            raise ValueError("forward_values: this engine holds an actor; use forward_logprobs")
+        return self._forward(batch, n_micro, 1.0, shift=shift, gather_dp=gather_dp)
+
+
+__all__ = ["LossFn", "ModelEngine", "SequenceBatch"]

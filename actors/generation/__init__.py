@@ -1,0 +1,24 @@
+"""Generation: a static KV cache, packed prefill, a decode loop and sampling, serial or pipelined.
+
+May import actors.engine and actors.kernels. In dependency order:
+  sampling   greedy / temperature / top-k / top-p, and the truncation the train side reapplies
+  kv_cache   the head-major KV cache decode reads once per step, and the fused [q; k; v] weights
+  decoding   what to generate, the recorded output, the memory check, the cached decode step
+  pipelined  pipeline-parallel generation: micro-batches circulate through the stages
+  generate   `generate`: the serial loop, or the pipelined one when the layout has pp > 1
+"""
+
+from __future__ import annotations
+
+from actors.generation.sampling import SamplingParams
+from actors.generation.decoding import GenerationConfig
+from actors.generation.generate import generate
+
+__all__ = [
+    # sampling.py
+    "SamplingParams",
+    # decoding.py
+    "GenerationConfig",
+    # generate.py
+    "generate",
+]

@@ -1,0 +1,336 @@
+"""The pieces a decode loop is built from: what to generate, the recorded output, the memory
+check, the cached decode step (CUDA graph / torch.compile) and the prefilled cache.
+
+`actors.generation.generate` runs them as one serial loop and `actors.generation.pipelined` as
+micro-batches circulating through pipeline stages; both import this module, neither imports the
+other's loop (the generation package's docstring has the order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from actors.engine import PackedBatch, pack_sequences
+from actors.generation.kv_cache import DECODE_KERNELS, FusedQKV, HeadMajorKVCache
+from actors.generation.sampling import SampledTokens, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate. eos_token_id None (or ignore_eos) runs every sequence to max_new_tokens.
+
+    pp_micro_batches: sequence groups circulating through pipeline stages (default: pp).
+    memory_limit_bytes: memory available to the call where the device cannot be asked (CPU);
+    None skips the check there.
+    attend_bucket: decode attention reads the cache up to the longest sequence rounded up to a
+    multiple of this (one CUDA graph per bucket), not the whole max_len.
+    decode_attention: "auto" (the Triton decode kernel on CUDA, else SDPA), "triton", "sdpa" or
+    "matmul" (actors.generation.kv_cache).
+    compile_decode: run the decode step through torch.compile (fuses the many small
+    elementwise kernels of a step; compiles once per call and attention bucket shape).
+    fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
+    per call, `actors.generation.kv_cache.FusedQKV`; costs those weights' bytes for the call).
+    """
+
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    pad_token_id: int = 0
+    use_cuda_graph: bool = False
+    pp_micro_batches: int | None = None
+    memory_limit_bytes: int | None = None
+    attend_bucket: int = 128
+    decode_attention: str = "auto"
+    compile_decode: bool = False
+    fuse_qkv: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"GenerationConfig.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.decode_attention not in DECODE_KERNELS:
+            raise ValueError(f"GenerationConfig.decode_attention={self.decode_attention!r}: unknown; "
+                             f"allowed: {', '.join(DECODE_KERNELS)}")
+        if self.attend_bucket < 1:
+            raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
+        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
+            raise ValueError(f"GenerationConfig.pp_micro_batches={self.pp_micro_batches}: must be >= 1 or None")
+
+    @property
+    def stop_token(self) -> int | None:
+        return None if self.ignore_eos else self.eos_token_id
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """Result of one `generate` call, B sequences, R = sum(response_lengths) response tokens.
+
+    tokens: int64 [T] prompt then response of each sequence, packed; cu_seqlens int32 [B+1].
+    prompt_lengths, response_lengths: int64 [B] (the response includes the EOS when emitted).
+    logprobs: float32 [R] of each response token under the sampling distribution.
+    kept_counts: int32 [R] size of the top-k/top-p set each token was sampled from, for
+    `actors.generation.sampling.truncate_logits` on the train side; None when sampling did not truncate.
+    no_eos: bool [B], True where the sequence hit max_new_tokens without emitting EOS.
+    """
+
+    tokens: Tensor
+    cu_seqlens: Tensor
+    prompt_lengths: Tensor
+    response_lengths: Tensor
+    logprobs: Tensor
+    kept_counts: Tensor | None
+    no_eos: Tensor
+    sampling: SamplingParams
+
+    @property
+    def n_seqs(self) -> int:
+        return self.prompt_lengths.numel()
+
+    def packed_batch(self) -> PackedBatch:
+        """Boundaries of the packed prompt+response sequences (for a forward over `tokens`)."""
+        return PackedBatch.from_lengths((self.prompt_lengths + self.response_lengths).tolist(), self.tokens.device)
+
+    def responses(self) -> list[Tensor]:
+        """Response token ids of each sequence, int64 [response_length]."""
+        seqs = torch.split(self.tokens, (self.prompt_lengths + self.response_lengths).tolist())
+        return [seq[p:] for seq, p in zip(seqs, self.prompt_lengths.tolist())]
+
+    def response_logprobs(self) -> list[Tensor]:
+        return list(torch.split(self.logprobs, self.response_lengths.tolist()))
+
+
+# ---- bookkeeping of sampled tokens -----------------------------------------------------------
+
+
+class ResponseRecorder:
+    """Per-sequence response buffers [B, max_new_tokens] filled step by step (a mutable helper
+    of one call; rows are global sequence indices, so pipeline micro-batches share one)."""
+
+    def __init__(self, n_seqs: int, config: GenerationConfig, device: torch.device) -> None:
+        self.config = config
+        shape = (n_seqs, config.max_new_tokens)
+        self.tokens = torch.full(shape, config.pad_token_id, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.kept_counts = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
+        self.finished = torch.zeros(n_seqs, dtype=torch.bool, device=device)
+
+    def record(self, rows: Tensor | None, step: int, sampled: SampledTokens) -> Tensor:
+        """Store step `step` for sequences `rows` (int64 [b]; None: all B, in order); return the
+        next decode input [b] (the sampled token, or the pad token for sequences already finished)."""
+        if rows is None:
+            return self.record_all(step, sampled)
+        alive = ~self.finished[rows]
+        self.tokens[rows, step] = torch.where(alive, sampled.tokens, self.tokens[rows, step])
+        self.logprobs[rows, step] = sampled.logprobs.float()
+        self.kept_counts[rows, step] = sampled.kept_counts
+        self.lengths[rows] += alive.to(torch.int64)
+        done = ~alive
+        stop = self.config.stop_token
+        if stop is not None:
+            done |= sampled.tokens == stop
+        self.finished[rows] = done | (self.lengths[rows] >= self.config.max_new_tokens)
+        return torch.where(alive, sampled.tokens, torch.full_like(sampled.tokens, self.config.pad_token_id))
+
+    def record_all(self, step: int, sampled: SampledTokens) -> Tensor:
+        """`record` for every sequence, with in-place column writes instead of gathers and
+        scatters by row index (about half the kernels of a step's bookkeeping)."""
+        # A finished row's slot `step` still holds the pad token, so the stored token and the
+        # next decode input are the same [B] tensor.
+        next_input = torch.where(self.finished, self.config.pad_token_id, sampled.tokens)
+        self.lengths += ~self.finished  # before `finished` changes: only live rows grow
+        self.tokens[:, step] = next_input
+        self.logprobs[:, step] = sampled.logprobs
+        self.kept_counts[:, step] = sampled.kept_counts
+        stop = self.config.stop_token
+        if stop is not None:
+            self.finished |= sampled.tokens == stop
+        self.finished |= self.lengths >= self.config.max_new_tokens
+        return next_input
+
+    def all_finished(self, rows: Tensor | None = None) -> bool:
+        return bool(self.finished.all() if rows is None else self.finished[rows].all())
+
+    def output(self, prompts: list[Tensor], prompt_tokens: Tensor) -> GenerationOutput:
+        """Assemble the packed output (one host sync for the lengths)."""
+        new = torch.arange(self.config.max_new_tokens, device=self.lengths.device)
+        keep = new[None, :] < self.lengths[:, None]  # [B, max_new]: row-major = packed order
+        prompt_lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.int64, device=self.lengths.device)
+        responses = torch.split(self.tokens[keep], self.lengths.tolist())
+        prompt_split = torch.split(prompt_tokens, prompt_lengths.tolist())
+        tokens = torch.cat([piece for pair in zip(prompt_split, responses) for piece in pair])
+        total = prompt_lengths + self.lengths
+        cu = torch.zeros(len(prompts) + 1, dtype=torch.int32, device=tokens.device)
+        cu[1:] = torch.cumsum(total, 0).to(torch.int32)
+        stop = self.config.stop_token
+        last = self.tokens.gather(1, (self.lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        ended_by_eos = (last == stop) if stop is not None else torch.zeros_like(self.finished)
+        truncating = self.config.sampling.truncates
+        return GenerationOutput(
+            tokens=tokens, cu_seqlens=cu, prompt_lengths=prompt_lengths, response_lengths=self.lengths.clone(),
+            logprobs=self.logprobs[keep], kept_counts=self.kept_counts[keep] if truncating else None,
+            no_eos=~ended_by_eos, sampling=self.config.sampling,
+        )
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the K and V caches of every attention layer `model` holds."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    per_token = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim for layer in model.model.layers.values())
+    return n_seqs * max_len * per_token * itemsize
+
+
+def logits_bytes(n_prompt_tokens: int, n_seqs: int, vocab_local: int, vocab_full: int, itemsize: int) -> int:
+    """Bytes of the prefill logits [T, V_local] plus the float32 sampling work on [B, V] (scaled
+    and sorted values, int64 order, log-probabilities, cdf: about 24 bytes per entry)."""
+    return n_prompt_tokens * vocab_local * itemsize + n_seqs * vocab_full * 24
+
+
+def check_memory(needed: dict[str, int], device: torch.device, limit_bytes: int | None) -> None:
+    """Raise MemoryError naming the bytes needed (by part) and available, before allocating."""
+    if device.type == "cuda":
+        # Free device memory plus what PyTorch's caching allocator holds but no tensor uses.
+        cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        available = torch.cuda.mem_get_info(device)[0] + cached_free
+    elif limit_bytes is not None:
+        available = limit_bytes
+    else:
+        return
+    total = sum(needed.values())
+    if total > available:
+        parts = ", ".join(f"{name} {nbytes:,}" for name, nbytes in needed.items())
+        raise MemoryError(f"generation needs {total:,} bytes ({parts}) but {available:,} bytes are available "
+                          f"on {device}; use fewer prompts, shorter max_new_tokens or more tensor/pipeline parallelism")
+
+
+def local_vocab(model: nn.Module) -> int:
+    """Vocabulary rows of this shard's head (vocab-parallel under tp)."""
+    # A tied head under tp (TiedVocabParallelHead) owns no weight: the table is the embedding's.
+    weight = getattr(model.lm_head, "weight", None) if model.lm_head is not None else None
+    if weight is None:
+        weight = model.model.embed_tokens.weight
+    return int(weight.shape[0])
+
+
+# ---- the decode step ----------------------------------------------------------------------------
+
+
+def parameter_key(model: nn.Module) -> tuple[int, ...]:
+    """data_ptr() of every parameter: changes when reallocation moves the weights."""
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
+class DecodeStep:
+    """One decode forward over a fixed KV cache: eager, or replaying a captured CUDA graph.
+
+    A graph reads `static_input` ([B] token ids, or [B, H] hidden states on later pipeline
+    stages) and the cache at fixed addresses, writes the new K/V at `cache.lengths`, advances the
+    lengths and leaves logits [B, V_local] (or hidden [B, H]) in its static output. One graph per
+    attention length bucket, captured on first use; all are dropped (and re-captured lazily)
+    when the parameters' addresses change or after `invalidate()`.
+    """
+
+    def __init__(self, model: nn.Module, cache: HeadMajorKVCache, use_cuda_graph: bool,
+                 compile_model: bool = False) -> None:
+        self.model = model
+        # torch.compile'd forward for decode (same parameters; the wrapper only changes kernels).
+        self.forward = torch.compile(model) if compile_model else model
+        self.cache = cache
+        self.batch = cache.decode_batch()  # positions come from cache.lengths during decode
+        self.use_cuda_graph = use_cuda_graph and cache.lengths.device.type == "cuda"
+        device = cache.lengths.device
+        if getattr(model, "has_embedding", True):
+            self.static_input = torch.zeros(cache.n_seqs, dtype=torch.int64, device=device)
+        else:
+            param = next(model.parameters())
+            self.static_input = torch.zeros(cache.n_seqs, model.spec.hidden_size, dtype=param.dtype, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # attend_len -> (graph, output)
+        self.key: tuple[int, ...] = ()
+
+    def invalidate(self) -> None:
+        """Drop the captured graphs (the next call re-captures)."""
+        self.graphs.clear()
+
+    def __call__(self, x: Tensor, attend_len: int | None = None) -> Tensor:
+        """x: tokens int64 [B] (first stage) or hidden [B, H]; returns logits/hidden [B, ...].
+        attend_len: cache slots decode attention reads (default: all)."""
+        self.cache.set_attend_len(attend_len or self.cache.max_len)
+        if not self.use_cuda_graph:
+            if self.cache.qkv is not None:
+                self.cache.qkv.refresh()  # weights moved since the last step: re-concatenate
+            return self.forward(x, self.batch, self.cache)
+        if parameter_key(self.model) != self.key:
+            self.invalidate()
+            if self.cache.qkv is not None:
+                self.cache.qkv.refresh()
+            self.key = parameter_key(self.model)
+        if self.cache.attend_len not in self.graphs:
+            self.graphs[self.cache.attend_len] = self.capture()
+        graph, output = self.graphs[self.cache.attend_len]
+        self.static_input.copy_(x)
+        graph.replay()
+        return output
+
+    def capture(self) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        saved_lengths = self.cache.lengths.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Warm-up runs (lazy buffers, kernel selection); each writes the slot the next real
+            # step overwrites anyway, and the lengths are put back.
+            for _ in range(2):
+                self.forward(self.static_input, self.batch, self.cache)
+                self.cache.lengths.copy_(saved_lengths)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.forward(self.static_input, self.batch, self.cache)
+        self.cache.lengths.copy_(saved_lengths)
+        return graph, output
+
+
+def attend_length(max_prompt: int, n_generated: int, config: GenerationConfig, max_len: int) -> int:
+    """Cache slots a decode step must read: the longest sequence after appending its input token
+    (max_prompt + n_generated + 1), rounded up to the bucket, at most max_len."""
+    needed = max_prompt + n_generated + 1
+    return min(max_len, -(-needed // config.attend_bucket) * config.attend_bucket)
+
+
+# ---- the single-stage loop ----------------------------------------------------------------------
+
+
+def prepare_cache(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
+                  device: torch.device, count_fused: bool = True) -> tuple[Tensor, PackedBatch, HeadMajorKVCache]:
+    """Pack the prompts, check memory, allocate the cache (n_seqs x (max_prompt + max_new)).
+    count_fused: include the call's fused [q; k; v] weights (once per call) in the check."""
+    if not prompts:
+        raise ValueError("prompts: empty; need at least one prompt")
+    empty = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.numel() == 0]
+    if empty:
+        raise ValueError(f"prompts {empty}: every prompt must be a non-empty 1-D token tensor")
+    tokens, batch = pack_sequences([p.to(torch.int64) for p in prompts], device)
+    max_len = batch.max_seqlen + config.max_new_tokens
+    param = next(model.parameters())
+    needed = {"kv_cache": kv_cache_bytes(model, len(prompts), max_len, param.dtype)}
+    if config.fuse_qkv and count_fused:
+        needed["fused_qkv"] = FusedQKV.nbytes(model)
+    if getattr(model, "has_head", True):
+        vocab_local = local_vocab(model)
+        needed["logits"] = logits_bytes(batch.n_tokens, len(prompts), vocab_local, model.spec.vocab_size,
+                                        param.element_size())
+    check_memory(needed, device, config.memory_limit_bytes)
+    cache = HeadMajorKVCache.for_model(model, len(prompts), max_len, device=device, kernel=config.decode_attention)
+    return tokens, batch, cache
+
+
+__all__ = [
+    "DecodeStep", "GenerationConfig", "GenerationOutput", "ResponseRecorder", "attend_length", "check_memory",
+    "kv_cache_bytes", "logits_bytes", "parameter_key", "prepare_cache",
+]

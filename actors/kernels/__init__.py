@@ -1,0 +1,38 @@
+"""Hand-written Triton kernels, each an optional fast path for CUDA beside a plain-torch twin.
+
+Imports nothing of actors/ but its own modules (the bottom layer).
+  switch            when the kernels run: `triton_on(device)`, and Triton's interpreter for CPU tests
+  decode_attention  one decode step's attention: append K/V, attend over each sequence's length
+  fused_logprobs    token log-probabilities over (vocab-parallel) logits in one pass per row
+  fused_sampling    greedy and untruncated temperature sampling of one token per row
+  segment_copy      many strided 2-D copies in one launch (reallocation packing and unpacking)
+"""
+
+from __future__ import annotations
+
+from actors.kernels.switch import triton_on, triton_runs
+from actors.kernels.decode_attention import gqa_decode_attention, kernel_supports_head_dim
+from actors.kernels.fused_logprobs import logprob_grad, logprob_row_stats
+from actors.kernels.fused_sampling import sample_rows, sample_rows_reference
+from actors.kernels.segment_copy import (
+    Copy2D,
+    CopyTable,
+    PROGRAMS,
+    bases_aligned,
+    launch_copies,
+    resolve_fields,
+    source_deltas,
+)
+
+__all__ = [
+    # switch.py
+    "triton_on", "triton_runs",
+    # decode_attention.py
+    "gqa_decode_attention", "kernel_supports_head_dim",
+    # fused_logprobs.py
+    "logprob_grad", "logprob_row_stats",
+    # fused_sampling.py
+    "sample_rows", "sample_rows_reference",
+    # segment_copy.py
+    "Copy2D", "CopyTable", "PROGRAMS", "bases_aligned", "launch_copies", "resolve_fields", "source_deltas",
+]

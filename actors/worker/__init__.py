@@ -1,0 +1,39 @@
+"""The worker: one `ModelWorker` process per GPU holding every model shard placed on it, its call
+ops, and the profiler that measures this machine for the cost model.
+
+May import every other package of actors/ (the top layer), never ray, cluster or app.
+  data         row ranges, producer shards, packed batches, imports by name
+  models       per-role bookkeeping: where a role's shards live and how they bind to modules
+  calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
+  train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  model_worker `ModelWorker`: validates, looks up state and calls one function per request
+  profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
+  profile_fit  the cost model's efficiency factors fitted to the profiler's measurements
+"""
+
+from __future__ import annotations
+
+from actors.worker.models import placement_group_sets
+from actors.worker.calls import CallSpec
+from actors.worker.model_worker import ModelWorker
+from actors.worker.profiler import (
+    MIN_EFFICIENCY,
+    ProfileSettings,
+    cut_model,
+    measure_engine,
+    measure_hardware,
+)
+from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
+
+__all__ = [
+    # models.py
+    "placement_group_sets",
+    # calls.py
+    "CallSpec",
+    # model_worker.py
+    "ModelWorker",
+    # profiler.py
+    "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
+    # profile_fit.py
+    "fit_efficiency", "fit_tp_comm", "predicted_seconds", "predicted_tp_fwd_bwd_s",
+]

@@ -1,0 +1,325 @@
+"""What one model function call computes on one worker: generation, rewards, inference, training.
+
+`CallSpec` describes a call (the driver builds it, app/algorithms fill `params`); `run_op` runs it
+on this rank's shard and returns `(meta, data)`: a small metadata dict for the driver and, on the
+call's data owners, a data shard (see actors.worker.data for the shard format and the row rule).
+
+Ops, chosen by `params["op"]` (or by role and kind, see `default_op`), and the keys they read and
+write (per-row lists; `<p>` is params["in_prefix"] / ["out_prefix"], default ""):
+
+  generate     prompt_ids (+ prompt, answer) -> <p>prompt_ids, <p>response_ids, <p>logprobs
+               (of the full temperature-scaled distribution, recomputed when top-k/top-p truncated),
+               <p>no_eos, prompt_index (+ prompt, answer, <p>response when a tokenizer is given)
+  rule_reward  <p>prompt/<p>response text (or ids + tokenizer), answer -> params["out_key"] ("rewards")
+  model_reward prompt_ids, <p>response_ids -> out_key: the reward model's value at the last token
+  logprobs     prompt_ids, response_ids -> out_key ("ref_logprobs"): per response token
+  values       prompt_ids, response_ids -> "values": V(state before each response token)
+  ppo_actor / ppo_critic / grpo_actor / remax_actor / dpo_actor: training, see actors.worker.train
+
+Inference and training ranks are given every row (the engine splits them over dp by tokens,
+and advantages are whitened over the whole batch); their owners return their dp rank's rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
+from actors.generation import GenerationConfig, SamplingParams, generate
+from actors.worker.data import (
+    dp_rows,
+    gather_responses,
+    import_object,
+    is_data_owner,
+    load_tokenizer,
+    make_shard,
+    merge_shards,
+    pack_rows,
+    reward_score,
+)
+from planning.plan import Placement
+
+KINDS = ("generate", "inference", "train")
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One model function call as the driver submits it to every worker of its mesh."""
+
+    name: str  # MFC name, e.g. "actor_gen"
+    role: str  # actor | critic | ref | reward
+    kind: str  # generate | inference | train
+    placement: Placement
+    iteration: int
+    n_rows: int  # sequences in the whole call
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"CallSpec.kind={self.kind!r} (call {self.name}): allowed: {', '.join(KINDS)}")
+        if self.n_rows < 1:
+            raise ValueError(f"CallSpec.n_rows={self.n_rows} (call {self.name}): must be >= 1")
+
+    @property
+    def op(self) -> str:
+        return str(self.params.get("op") or default_op(self.role, self.kind, self.params))
+
+
+def default_op(role: str, kind: str, params: dict[str, Any]) -> str:
+    """The op of a call whose params name none: PPO's call for (role, kind)."""
+    if kind == "generate":
+        return "generate"
+    if kind == "train":
+        return "ppo_critic" if role == "critic" else "ppo_actor"
+    if role == "reward":
+        return "rule_reward" if params.get("reward_fn") else "model_reward"
+    return "values" if role == "critic" else "logprobs"
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Everything an op needs on this rank: the call, the engine of the role under the call's
+    placement (None for rule rewards), this rank's groups and its rank inside the mesh."""
+
+    call: CallSpec
+    engine: ModelEngine | None
+    groups: ParallelGroups
+    mesh_rank: int
+    device: torch.device
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.call.params
+
+    @property
+    def owner(self) -> bool:
+        return is_data_owner(self.groups.layout, self.mesh_rank)
+
+    @property
+    def my_rows(self) -> range:
+        return dp_rows(self.call.n_rows, self.groups.layout.dp, self.groups.dp_rank)
+
+    def need_engine(self) -> ModelEngine:
+        if self.engine is None:
+            raise ValueError(f"call {self.call.name}: op {self.call.op!r} needs a loaded model for role {self.call.role!r}")
+        return self.engine
+
+
+def owner_result(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict | None]:
+    """(meta, shard of this dp rank's rows) on owners; (meta, None) elsewhere."""
+    rows = ctx.my_rows
+    meta = {**meta, "row_start": rows.start, "n": len(rows), "owner": ctx.owner}
+    if not ctx.owner:
+        return meta, None
+    picked = {key: values[rows.start:rows.stop] if len(values) == ctx.call.n_rows else values
+              for key, values in columns.items()}
+    return meta, make_shard(rows.start, picked)
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+def generation_seed(base: int, iteration: int, first_row: int) -> int:
+    """Seed of one dp rank's generation: distinct per iteration and per first row, so dp ranks
+    never share random numbers (a single rank starting at row 0 matches a serial run)."""
+    return (base * 1_000_003 + iteration * 10_007 + first_row * 101) % (2**62)
+
+
+def generation_config(ctx: CallContext, first_row: int) -> GenerationConfig:
+    p, spec = ctx.params, ctx.need_engine().spec
+    greedy = bool(p.get("greedy", False))
+    sampling = SamplingParams(0.0 if greedy else float(p.get("temperature", 1.0)), int(p.get("top_k", 0)),
+                              float(p.get("top_p", 1.0)))
+    if "max_new_tokens" not in p:
+        raise ValueError(f"call {ctx.call.name}: params['max_new_tokens'] is required for generation")
+    return GenerationConfig(
+        max_new_tokens=int(p["max_new_tokens"]), sampling=sampling,
+        seed=generation_seed(int(p.get("seed", 0)), ctx.call.iteration, first_row),
+        eos_token_id=p.get("eos_token_id", spec.eos_token_id), ignore_eos=bool(p.get("ignore_eos", False)),
+        pad_token_id=int(p.get("pad_token_id", 0)),
+        use_cuda_graph=ctx.device.type == "cuda" and bool(p.get("cuda_graph", True)),
+        compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
+    )
+
+
+def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """Sample responses for this dp rank's rows; row r answers prompt r // n_samples."""
+    engine, p = ctx.need_engine(), ctx.params
+    n_samples = int(p.get("n_samples", 1))
+    if n_samples < 1 or ctx.call.n_rows % n_samples:
+        raise ValueError(f"call {ctx.call.name}: n_samples={n_samples} must be >= 1 and divide n_rows={ctx.call.n_rows}")
+    rows = ctx.my_rows
+    prompt_rows = range(rows.start // n_samples, (rows.stop - 1) // n_samples + 1)
+    cols = merge_shards(inputs, prompt_rows, ["prompt_ids"], optional=["prompt", "answer"])
+    index = [r // n_samples - prompt_rows.start for r in rows]
+    prompts = [cols["prompt_ids"][i].to(ctx.device) for i in index]
+    config = generation_config(ctx, rows.start)
+    out = generate(engine.model, prompts, config, engine.groups)
+    lengths = out.response_lengths.tolist()
+    meta = {"response_lengths": lengths, "gen_tokens": int(sum(lengths))}
+    responses = [t.cpu() for t in out.responses()]
+    if config.sampling.truncates:  # collective over the mesh: every rank, before the owner check
+        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, config.sampling.temperature)
+    else:
+        logprobs = [t.float().cpu() for t in out.response_logprobs()]
+    if not ctx.owner:
+        return owner_result(ctx, {}, meta)
+    prefix = str(p.get("out_prefix", ""))
+    columns: dict[str, list[Any]] = {
+        f"{prefix}prompt_ids": [t.cpu() for t in prompts],
+        f"{prefix}response_ids": responses,
+        f"{prefix}logprobs": logprobs,
+        f"{prefix}no_eos": [bool(x) for x in out.no_eos.tolist()],
+        "prompt_index": [r // n_samples for r in rows],
+    }
+    for key in ("prompt", "answer"):
+        if key in cols:
+            columns[key] = [cols[key][i] for i in index]
+    tokenizer = load_tokenizer(p.get("tokenizer"))
+    if tokenizer is not None:
+        columns[f"{prefix}response"] = [tokenizer.decode(t.tolist(), skip_special_tokens=True)
+                                        for t in columns[f"{prefix}response_ids"]]
+        meta["samples"] = [{"prompt": columns["prompt"][i] if "prompt" in columns else None,
+                            "response": columns[f"{prefix}response"][i]} for i in range(min(2, len(index)))]
+    return _shard_of_my_rows(ctx, columns, meta)
+
+
+def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], responses: list[Tensor],
+                               temperature: float) -> list[Tensor]:
+    """Logprobs [r_i] of this dp rank's responses under the full temperature-scaled distribution.
+
+    Top-k/top-p sampling draws from a truncated, renormalised distribution, but the ref call and
+    the train layout compute logprobs of the full one (as veRL does). The rollout's `logprobs`
+    feed the KL penalty against the ref and, without recomputation, the PPO ratio, so they must
+    be of the same distribution: otherwise the KL to an identical ref is -log(kept mass) > 0.
+    Collective over the mesh: the rows (token ids) are gathered over dp, then the engine splits
+    the forward over dp as for any inference call and every rank keeps its own rows.
+    """
+    engine, groups = ctx.need_engine(), ctx.groups
+    mine = list(zip(prompts, responses))
+    rows = mine
+    if groups.dp_group is not None:
+        gathered: list[Any] = [None] * groups.layout.dp
+        dist.all_gather_object(gathered, mine, group=groups.dp_group)  # dp rank order = row order
+        rows = [row for part in gathered for row in part]
+    tokens, lengths, _ = pack_rows([q for q, _ in rows], [r for _, r in rows])
+    per_token = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), n_micro(ctx), temperature,
+                                        gather_dp=True)
+    per_row = gather_responses(per_token, [q.numel() for q, _ in rows], [r.numel() for _, r in rows])
+    start = ctx.my_rows.start
+    return per_row[start:start + len(mine)]
+
+
+def _shard_of_my_rows(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict]:
+    """Columns that already hold exactly this dp rank's rows -> (meta, shard)."""
+    rows = ctx.my_rows
+    return {**meta, "row_start": rows.start, "n": len(rows), "owner": True}, make_shard(rows.start, columns)
+
+
+# ---- rewards ------------------------------------------------------------------------------------
+
+
+def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """fn(prompt, response, answer) for this dp rank's rows, on its data owner only."""
+    p = ctx.params
+    if not ctx.owner:
+        return owner_result(ctx, {}, {})
+    spec = p.get("reward_fn")
+    fn = spec if callable(spec) else import_object(str(spec), "params['reward_fn']")
+    prefix = str(p.get("in_prefix", ""))
+    rows = ctx.my_rows
+    cols = merge_shards(inputs, rows, [], optional=["prompt", f"{prefix}response", "answer", "prompt_ids",
+                                                    f"{prefix}prompt_ids", f"{prefix}response_ids"])
+    tokenizer = None
+    texts: dict[str, list[str]] = {}
+    for key in ("prompt", "response"):
+        source = key if key == "prompt" else f"{prefix}response"
+        if source in cols:
+            texts[key] = cols[source]
+            continue
+        ids_key = f"{prefix}{key}_ids" if f"{prefix}{key}_ids" in cols else f"{key}_ids"
+        if ids_key not in cols:
+            raise ValueError(f"call {ctx.call.name}: rule reward needs {source!r} text or {ids_key!r} with a tokenizer")
+        tokenizer = tokenizer or load_tokenizer(p.get("tokenizer"))
+        if tokenizer is None:
+            raise ValueError(f"call {ctx.call.name}: params['tokenizer'] is required to decode {ids_key!r}")
+        texts[key] = [tokenizer.decode(t.tolist(), skip_special_tokens=True) for t in cols[ids_key]]
+    answers = cols.get("answer", [None] * len(rows))
+    name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    scores = [reward_score(fn(q, r, a), str(name)) for q, r, a in zip(texts["prompt"], texts["response"], answers)]
+    out_key = str(p.get("out_key", "rewards"))
+    return _shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
+
+
+def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str = "") -> tuple[SequenceBatch, list[int], list[int]]:
+    """Every row of the call packed: (batch, prompt lengths, response lengths)."""
+    cols = merge_shards(inputs, range(ctx.call.n_rows), [f"{prefix}prompt_ids", f"{prefix}response_ids"])
+    prompts, responses = cols[f"{prefix}prompt_ids"], cols[f"{prefix}response_ids"]
+    tokens, lengths, _ = pack_rows(prompts, responses)
+    return SequenceBatch(tokens, tuple(lengths)), [t.numel() for t in prompts], [t.numel() for t in responses]
+
+
+def n_micro(ctx: CallContext) -> int:
+    """Micro-batches per dp rank: params['micro_batches'], default the pipeline depth."""
+    return int(ctx.params.get("micro_batches", ctx.groups.layout.pp))
+
+
+def run_model_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """A reward model's score: its head's output at each sequence's last token."""
+    engine = ctx.need_engine()
+    batch, plens, rlens = _packed_inputs(ctx, inputs, str(ctx.params.get("in_prefix", "")))
+    scores_per_pos = engine.forward_values(batch, n_micro(ctx), shift=False, gather_dp=True).float().cpu()
+    ends = torch.cumsum(torch.tensor(batch.lengths), 0) - 1
+    scores = scores_per_pos[ends].tolist()
+    out_key = str(ctx.params.get("out_key", "rewards"))
+    return owner_result(ctx, {out_key: scores}, {"rewards": scores[ctx.my_rows.start:ctx.my_rows.stop]})
+
+
+# ---- inference ----------------------------------------------------------------------------------
+
+
+def run_logprobs(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """Token logprobs of every response under this model (the sampling temperature applies)."""
+    engine = ctx.need_engine()
+    batch, plens, rlens = _packed_inputs(ctx, inputs)
+    temperature = float(ctx.params.get("temperature", 1.0))
+    logprobs = engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True)
+    per_row = gather_responses(logprobs, plens, rlens)
+    return owner_result(ctx, {str(ctx.params.get("out_key", "ref_logprobs")): per_row}, {})
+
+
+def run_values(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """Critic values V(state before each response token)."""
+    engine = ctx.need_engine()
+    batch, plens, rlens = _packed_inputs(ctx, inputs)
+    values = engine.forward_values(batch, n_micro(ctx), shift=True, gather_dp=True)
+    per_row = gather_responses(values, plens, rlens)
+    return owner_result(ctx, {str(ctx.params.get("out_key", "values")): per_row}, {})
+
+
+def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | None]],
+          ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
+    """Run an op and add wall-clock start/end (seconds since the epoch) to its meta."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    start = time.time()
+    meta, data = fn(ctx, inputs)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    end = time.time()
+    return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
+            "seconds": end - start, **meta}, data
+
+
+__all__ = [
+    "CallContext", "CallSpec", "KINDS", "default_op", "full_distribution_logprobs", "generation_config",
+    "generation_seed", "n_micro",
+    "owner_result", "run_generate", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "timed",
+]

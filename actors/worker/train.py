@@ -1,0 +1,338 @@
+"""Training ops of the model worker: PPO actor and critic, GRPO, ReMax and DPO actors.
+
+Every rank of the train call's mesh is given every row. It builds the packed batch and the
+advantages of the WHOLE batch identically (a pure function of the rows, so whitening uses
+whole-batch statistics without communication), then runs `ppo_epochs` x `ppo_minibatches`
+optimizer steps through `ModelEngine.train_step`, which splits each minibatch over dp and
+micro-batches and normalises the loss globally (actors.engine.model_engine).
+
+Shapes: T tokens of B packed rows (prompt + response); per-token tensors are float32 [T] in the
+convention of actors.rl.advantages (entry i is about token i), `mask` [T] marks response tokens.
+Hyperparameters come from CallSpec.params (app/algorithms/* fill them; names as in veRL):
+kl_coef, kl_estimator, gamma, lam, whiten, clip_eps, clip_eps_high, dual_clip, value_clip,
+entropy_coef, kl_loss_coef (GRPO), loss_agg, ppo_epochs, ppo_minibatches, shuffle, seed,
+temperature, micro_batches, no_eos_penalty, recompute_logprobs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from actors.engine import LossFn, SequenceBatch
+from actors.rl import (
+    LossSums,
+    broadcast_to_tokens,
+    combine_losses,
+    dpo_loss,
+    entropy_term,
+    grpo_outcome_advantages,
+    kl_loss,
+    kl_penalty,
+    masked_whiten,
+    ppo_advantages,
+    ppo_policy_loss,
+    remax_advantages,
+    sequence_logprob_sums,
+    token_level_rewards,
+    value_loss,
+)
+from actors.worker.calls import CallContext, n_micro
+from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The whole batch of one train call, packed. tokens int64 [T]; mask, logprobs (sampling),
+    ref_logprobs, values float32 [T] (zeros where absent); scores float32 [B] (after the no-EOS
+    penalty); cu_seqlens int64 [B+1]."""
+
+    tokens: Tensor
+    lengths: tuple[int, ...]
+    cu_seqlens: Tensor
+    mask: Tensor
+    logprobs: Tensor
+    ref_logprobs: Tensor | None
+    values: Tensor | None
+    scores: Tensor
+    raw_scores: Tensor
+    response_lengths: list[int]
+
+
+def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence[str]) -> Rollout:
+    """Merge the producer shards of every row into a `Rollout` (keys in `need` are required)."""
+    optional = [k for k in ("ref_logprobs", "values", "no_eos", "greedy_rewards") if k not in need]
+    cols = merge_shards(inputs, range(ctx.call.n_rows), ["prompt_ids", "response_ids", "logprobs", "rewards", *need],
+                        optional=optional)
+    tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
+    plens = [t.numel() for t in cols["prompt_ids"]]
+    raw = torch.tensor([float(x) for x in cols["rewards"]], dtype=torch.float32)
+    penalty = float(ctx.params.get("no_eos_penalty", 0.0))
+    no_eos = torch.tensor([float(x) for x in cols.get("no_eos", [False] * len(lengths))])
+    per_token = {k: scatter_responses(cols[k], plens) if k in cols else None for k in ("ref_logprobs", "values")}
+    return Rollout(tokens, tuple(lengths), cu_seqlens_of(lengths), mask, scatter_responses(cols["logprobs"], plens),
+                   per_token["ref_logprobs"], per_token["values"], raw - penalty * no_eos, raw,
+                   [t.numel() for t in cols["response_ids"]])
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def rollout_kl(ctx: CallContext, r: Rollout) -> Tensor | None:
+    """Per-token KL(pi_sampling || pi_ref) [T] on response tokens, or None without ref logprobs."""
+    if r.ref_logprobs is None:
+        return None
+    return kl_penalty(r.logprobs, r.ref_logprobs, str(ctx.params.get("kl_estimator", "k1"))) * r.mask
+
+
+def rollout_metrics(ctx: CallContext, r: Rollout, kl: Tensor | None) -> dict[str, float]:
+    out = {
+        "rollout/reward_mean": float(r.raw_scores.mean()),
+        "rollout/response_length_mean": sum(r.response_lengths) / len(r.response_lengths),
+        "rollout/response_length_max": float(max(r.response_lengths)),
+    }
+    if kl is not None:
+        out["actor/kl"] = masked_mean(kl, r.mask)
+        out["actor/kl_coef"] = float(ctx.params.get("kl_coef", 0.0))
+    return out
+
+
+def ppo_returns(ctx: CallContext, r: Rollout) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(advantages [T] whitened as configured, returns [T], kl [T] or None): KL-shaped token
+    rewards, then GAE with the critic's values."""
+    if r.values is None:
+        raise ValueError(f"call {ctx.call.name}: PPO needs 'values' from the critic inference call")
+    p = ctx.params
+    kl = rollout_kl(ctx, r)
+    adv, ret = ppo_advantages(r.scores, r.values, r.mask, r.cu_seqlens, kl=kl, kl_coef=float(p.get("kl_coef", 0.0)),
+                              gamma=float(p.get("gamma", 1.0)), lam=float(p.get("lam", 0.95)),
+                              whiten=bool(p.get("whiten", True)))
+    return adv, ret, kl
+
+
+def select_rows(batch: SequenceBatch, rows: Sequence[int]) -> SequenceBatch:
+    """Sub-batch of the given rows, in that order (token and sequence data follow)."""
+    cu = cu_seqlens_of(batch.lengths).tolist()
+    index = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in rows])
+    seq_index = torch.tensor(list(rows), dtype=torch.int64)
+    return SequenceBatch(batch.tokens[index], tuple(batch.lengths[i] for i in rows),
+                         {k: v[index] for k, v in batch.token_data.items()},
+                         {k: v[seq_index] for k, v in batch.seq_data.items()})
+
+
+def minibatch_rows(ctx: CallContext, n_rows: int, epoch: int) -> list[list[int]]:
+    """Row indices of each minibatch of one epoch: a seeded shuffle (same on every rank) cut
+    into ppo_minibatches near-equal parts, each with at least dp rows."""
+    p = ctx.params
+    n_mb = int(p.get("ppo_minibatches", 1))
+    dp = ctx.groups.layout.dp
+    if n_mb < 1 or n_rows // n_mb < dp:
+        raise ValueError(f"call {ctx.call.name}: ppo_minibatches={n_mb} leaves fewer than dp={dp} rows of "
+                         f"{n_rows} per minibatch")
+    order = list(range(n_rows))
+    if bool(p.get("shuffle", True)):
+        random.Random(int(p.get("seed", 0)) * 7919 + ctx.call.iteration * 131 + epoch).shuffle(order)
+    return [order[k * n_rows // n_mb:(k + 1) * n_rows // n_mb] for k in range(n_mb)]
+
+
+def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: str,
+               with_entropy: bool = False) -> dict[str, float]:
+    """ppo_epochs x ppo_minibatches optimizer steps; metrics averaged over steps as prefix/<name>."""
+    engine = ctx.need_engine()
+    temperature = float(ctx.params.get("temperature", 1.0))
+    totals: dict[str, float] = {}
+    steps = 0
+    for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
+        for rows in minibatch_rows(ctx, len(batch.lengths), epoch):
+            metrics = engine.train_step(select_rows(batch, rows), loss_fn, n_micro(ctx), temperature, with_entropy)
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            steps += 1
+    # The KL loss term's statistic is "kl"; actor/kl is the rollout's KL to the reference.
+    renamed = {"kl": "kl_loss"}
+    out = {f"{prefix}/{renamed.get(key, key)}": value / steps for key, value in totals.items()
+           if key not in ("count", "loss")}
+    out[f"{prefix}/loss"] = totals.get("loss", 0.0) / steps
+    out[f"{prefix}/optimizer_steps"] = float(steps)
+    return out
+
+
+def policy_loss_fn(params: dict[str, Any]) -> LossFn:
+    """Clipped PPO surrogate (+ entropy bonus, + GRPO's KL loss) on one micro-batch."""
+    clip_eps = float(params.get("clip_eps", 0.2))
+    clip_high = params.get("clip_eps_high")
+    dual = params.get("dual_clip")
+    agg = str(params.get("loss_agg", "token-mean"))
+    entropy_coef = float(params.get("entropy_coef", 0.0))
+    kl_coef = float(params.get("kl_loss_coef", 0.0))
+    estimator = str(params.get("kl_loss_estimator", "low_var_kl"))
+
+    def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
+        cu, mask = data["cu_seqlens"], data["mask"]
+        terms = [(1.0, ppo_policy_loss(logprobs, data["old_logprobs"], data["advantages"], mask, clip_eps,
+                                       None if clip_high is None else float(clip_high),
+                                       None if dual is None else float(dual), agg, cu))]
+        if entropy_coef > 0:
+            terms.append((-entropy_coef, entropy_term(data["entropy"], mask, agg, cu)))
+        if kl_coef > 0:
+            terms.append((kl_coef, kl_loss(logprobs, data["ref_logprobs"], mask, estimator, agg, cu)))
+        return combine_losses(terms)
+
+    return loss
+
+
+def old_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
+    """The behaviour policy's logprobs [T]: recomputed by the actor under the train layout
+    (params['recompute_logprobs'], default True: the first PPO ratio is then exactly 1) or the
+    sampling logprobs from generation."""
+    if not bool(ctx.params.get("recompute_logprobs", True)):
+        return r.logprobs
+    engine = ctx.need_engine()
+    batch = SequenceBatch(r.tokens, r.lengths)
+    temperature = float(ctx.params.get("temperature", 1.0))
+    return engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True).float().cpu() * r.mask
+
+
+def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float]) -> tuple[dict, None]:
+    """Policy optimisation on `advantages` [T] (shared by PPO, GRPO and ReMax)."""
+    old = old_logprobs(ctx, r)
+    token_data = {"mask": r.mask, "old_logprobs": old, "advantages": advantages * r.mask}
+    if r.ref_logprobs is not None:
+        token_data["ref_logprobs"] = r.ref_logprobs
+    if float(ctx.params.get("kl_loss_coef", 0.0)) > 0 and r.ref_logprobs is None:
+        raise ValueError(f"call {ctx.call.name}: kl_loss_coef > 0 needs 'ref_logprobs' from the ref call")
+    batch = SequenceBatch(r.tokens, r.lengths, token_data)
+    with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
+    metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params), "actor", with_entropy)
+    metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
+    return {**extra, **metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None
+
+
+def run_ppo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    r = load_rollout(ctx, inputs, ["values"])
+    advantages, _, kl = ppo_returns(ctx, r)
+    return train_actor(ctx, r, advantages, rollout_metrics(ctx, r, kl))
+
+
+def run_ppo_critic(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    """Clipped value loss towards the GAE returns (computed exactly as the actor computes them)."""
+    r = load_rollout(ctx, inputs, ["values"])
+    _, returns, _ = ppo_returns(ctx, r)
+    assert r.values is not None
+    clip = ctx.params.get("value_clip", 0.2)
+    agg = str(ctx.params.get("loss_agg", "token-mean"))
+
+    def loss(values: Tensor, data: dict[str, Tensor]) -> LossSums:
+        return value_loss(values, data["old_values"], data["returns"], data["mask"],
+                          None if clip is None else float(clip), agg, data["cu_seqlens"])
+
+    batch = SequenceBatch(r.tokens, r.lengths, {"mask": r.mask, "old_values": r.values, "returns": returns})
+    metrics = run_epochs(ctx, batch, loss, "critic")
+    metrics["critic/returns_mean"] = masked_mean(returns, r.mask)
+    metrics["critic/values_mean"] = masked_mean(r.values, r.mask)
+    return metrics, None
+
+
+def run_grpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    """GRPO: group-normalised outcome advantages (rows r of one prompt are consecutive), KL as a
+    loss term (kl_loss_coef) instead of a reward penalty."""
+    r = load_rollout(ctx, inputs, [])
+    group = int(ctx.params.get("group_size", 1))
+    per_seq = grpo_outcome_advantages(r.scores, group, scale_by_std=bool(ctx.params.get("scale_by_std", True)))
+    advantages = broadcast_to_tokens(per_seq, r.mask, r.cu_seqlens)
+    return train_actor(ctx, r, advantages, rollout_metrics(ctx, r, rollout_kl(ctx, r)))
+
+
+def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    """ReMax: REINFORCE on KL-shaped rewards with the greedy response's reward as baseline."""
+    r = load_rollout(ctx, inputs, ["greedy_rewards"])
+    cols = merge_shards(inputs, range(ctx.call.n_rows), ["greedy_rewards"], optional=["greedy_no_eos"])
+    raw_baseline = torch.tensor([float(x) for x in cols["greedy_rewards"]], dtype=torch.float32)
+    baseline = raw_baseline
+    # The greedy response is scored like the sampled one: the same no-EOS penalty, else the
+    # baseline would sit above the penalised sampled scores and bias every advantage down.
+    penalty = float(ctx.params.get("no_eos_penalty", 0.0))
+    if penalty and "greedy_no_eos" in cols:
+        baseline = baseline - penalty * torch.tensor([float(x) for x in cols["greedy_no_eos"]])
+    kl = rollout_kl(ctx, r)
+    token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl,
+                                        kl_coef=float(ctx.params.get("kl_coef", 0.0)))
+    advantages, _ = remax_advantages(token_rewards, baseline, r.mask, r.cu_seqlens)
+    if bool(ctx.params.get("whiten", False)):
+        advantages = masked_whiten(advantages, r.mask, shift_mean=False)
+    extra = rollout_metrics(ctx, r, kl)
+    extra["rollout/greedy_reward_mean"] = float(raw_baseline.mean())  # unpenalised, like rollout/reward_mean
+    return train_actor(ctx, r, advantages, extra)
+
+
+# ---- DPO ----------------------------------------------------------------------------------------
+# Rows 2i (prompt + chosen) and 2i + 1 (prompt + rejected) form pair i. Batches carry
+# group_size=2, so the engine's dp and micro-batch splits keep each pair together (the loss of a
+# pair needs both sequences' logprob sums in one micro-batch).
+
+
+def dpo_loss_fn(beta: float, label_smoothing: float) -> LossFn:
+    """DPO loss on one micro-batch of whole pairs; count = pairs (the engine divides by all of them)."""
+
+    def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
+        # logprobs [T_mb] -> summed response logprobs per sequence [B_mb]; even = chosen, odd = rejected.
+        sums = sequence_logprob_sums(logprobs, data["mask"], data["cu_seqlens"])
+        ref = data["ref_logps"]  # [B_mb] the reference's summed response logprobs
+        return dpo_loss(sums[0::2], sums[1::2], ref[0::2], ref[1::2], beta, label_smoothing)
+
+    return loss
+
+
+def load_pairs(ctx: CallContext, inputs: Sequence[dict | None]) -> SequenceBatch:
+    """Every pair of the call packed, with the response mask [T] and the reference sums [B]."""
+    n_rows = ctx.call.n_rows
+    if n_rows % 2:
+        raise ValueError(f"call {ctx.call.name}: n_rows={n_rows}; DPO rows come in chosen/rejected pairs (even)")
+    cols = merge_shards(inputs, range(n_rows), ["prompt_ids", "response_ids", "ref_logprobs"])
+    tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
+    ref_logps = torch.stack([t.float().sum() for t in cols["ref_logprobs"]])
+    return SequenceBatch(tokens, tuple(lengths), {"mask": mask}, {"ref_logps": ref_logps}, group_size=2)
+
+
+def pair_minibatches(ctx: CallContext, n_pairs: int, epoch: int) -> list[list[int]]:
+    """Row indices of each minibatch of one epoch: the pairs are shuffled and cut like PPO rows
+    (`minibatch_rows`, at least dp pairs each), then each pair p expands to rows 2p, 2p + 1."""
+    return [[row for pair in pairs for row in (2 * pair, 2 * pair + 1)]
+            for pairs in minibatch_rows(ctx, n_pairs, epoch)]
+
+
+def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
+    """DPO (params beta, label_smoothing, ppo_epochs, ppo_minibatches): one optimizer step per
+    minibatch of pairs; metrics averaged over steps as actor/<name> (dpo_loss, reward_margin,
+    rewards_chosen, rewards_rejected, reward_accuracy, grad_norm, lr)."""
+    engine = ctx.need_engine()
+    batch = load_pairs(ctx, inputs)
+    loss_fn = dpo_loss_fn(float(ctx.params.get("beta", 0.1)), float(ctx.params.get("label_smoothing", 0.0)))
+    temperature = float(ctx.params.get("temperature", 1.0))
+    totals: dict[str, float] = {}
+    steps = 0
+    for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
+        for rows in pair_minibatches(ctx, len(batch.lengths) // 2, epoch):
+            minibatch = replace(select_rows(batch, rows), group_size=2)
+            for key, value in engine.train_step(minibatch, loss_fn, n_micro(ctx), temperature).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            steps += 1
+    metrics = {f"actor/{key}": value / steps for key, value in totals.items() if key != "count"}
+    metrics["actor/optimizer_steps"] = float(steps)
+    metrics["actor/pairs"] = float(len(batch.lengths) // 2)
+    # Answer tokens per sequence (the driver's throughput counts them like generated tokens).
+    metrics["rollout/response_length_mean"] = float(batch.token_data["mask"].sum()) / len(batch.lengths)
+    return metrics, None
+
+
+__all__ = [
+    "Rollout", "load_rollout", "minibatch_rows", "policy_loss_fn", "ppo_returns", "rollout_metrics",
+    "run_grpo_actor", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
+    "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",
+]
