@@ -1,86 +1,30 @@
-"""RLHF algorithms on the runtime: per call of an algorithm's dataflow graph, the `CallSpec.params`
-that tell a ModelWorker what to compute (op name, sampling, hyperparameters, loss choice).
-
-    settings = settings_from_config(cfg, tokenizer="app.toy_task:CharTokenizer",
-                                    reward_fn="app.rewards:toy_reward", eos_token_id=2)
-    params = call_params(settings, mfc, kl_coef=kl_controller.value)
+"""RLHF algorithms on the runtime: each module fills the `CallSpec.params` of its graph's calls.
 
 The graphs themselves are `planning.dataflow.{ppo,grpo,remax,dpo}_graph`; the worker-side
 computations are in actors.worker.calls and actors.worker.train. DPO reads preference pairs
-instead of generating (see app/algorithms/dpo.py); its pairs stay together in every dp and
-micro-batch split (SequenceBatch.group_size=2).
+instead of generating (see app.algorithms.dpo); its pairs stay together in every dp and
+micro-batch split (SequenceBatch.group_size=2). May import planning and app.data.
+  ppo       PPO: rollout settings, hyperparameters and the params of every call
+  grpo      GRPO: group-relative advantages, the KL loss term
+  remax     ReMax: the greedy baseline
+  dpo       DPO: preference pairs as the batch, the pairwise loss
+  settings  `AlgorithmSettings` from the config, and `call_params` per call
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from app.algorithms import dpo, grpo, ppo, remax
-from app.algorithms.dpo import DPOHyperparams
-from app.algorithms.grpo import GRPOHyperparams
 from app.algorithms.ppo import PPOHyperparams, RolloutSettings
-from planning.dataflow import MFC
+from app.algorithms.grpo import GRPOHyperparams
+from app.algorithms.dpo import DPOHyperparams, preference_shard, toy_preference_records
+from app.algorithms.settings import RUNTIME_ALGORITHMS, AlgorithmSettings, call_params, settings_from_config
 
-RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo")
-
-
-@dataclass(frozen=True)
-class AlgorithmSettings:
-    """Everything the calls of one algorithm need besides the per-iteration KL coefficient."""
-
-    algorithm: str
-    rollout: RolloutSettings
-    ppo: PPOHyperparams
-    grpo: GRPOHyperparams | None = None
-    dpo: DPOHyperparams | None = None
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in RUNTIME_ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r}: the runtime runs {', '.join(RUNTIME_ALGORITHMS)}")
-        if self.algorithm == "grpo" and self.grpo is None:
-            raise ValueError("algorithm='grpo': settings.grpo (GRPOHyperparams) is required")
-        if self.algorithm == "dpo" and self.dpo is None:
-            raise ValueError("algorithm='dpo': settings.dpo (DPOHyperparams) is required")
-
-
-def call_params(settings: AlgorithmSettings, mfc: MFC, kl_coef: float) -> dict[str, Any]:
-    """CallSpec.params of `mfc` under `settings`; kl_coef: the KL weight of this iteration."""
-    if settings.algorithm == "ppo":
-        return ppo.call_params(mfc, settings.rollout, settings.ppo, kl_coef)
-    if settings.algorithm == "grpo":
-        assert settings.grpo is not None
-        return grpo.call_params(mfc, settings.rollout, settings.ppo, settings.grpo)
-    if settings.algorithm == "dpo":
-        assert settings.dpo is not None
-        return dpo.call_params(mfc, settings.dpo)
-    return remax.call_params(mfc, settings.rollout, settings.ppo, kl_coef)
-
-
-def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None, eos_token_id: int | None,
-                         pad_token_id: int = 0) -> AlgorithmSettings:
-    """Settings from an `app.config.ExperimentConfig` (sections sampling, ppo, batch, run).
-
-    tokenizer / reward_fn: resolved specs ('module:attr' or a directory; None = reward model).
-    """
-    s, p, b = cfg.sampling, cfg.ppo, cfg.batch
-    rollout = RolloutSettings(max_new_tokens=b.gen_len, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              seed=cfg.run.seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile)
-    hp = PPOHyperparams(kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam, clip_eps=p.clip_eps,
-                        value_clip=p.value_clip_eps, whiten=p.adv_norm, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
-                        ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed)
-    group = None
-    if cfg.algorithm == "grpo":
-        g = cfg.grpo
-        group = GRPOHyperparams(group_size=b.group_size, kl_loss_coef=g.kl_loss_coef,
-                                kl_loss_estimator=g.kl_loss_estimator, scale_by_std=g.scale_by_std)
-    pairs = None
-    if cfg.algorithm == "dpo":
-        pairs = DPOHyperparams(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing, epochs=b.ppo_epochs,
-                               minibatches=b.ppo_minibatches, seed=cfg.run.seed)
-    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs)
-
-
-__all__ = ["AlgorithmSettings", "DPOHyperparams", "GRPOHyperparams", "PPOHyperparams", "RUNTIME_ALGORITHMS",
-           "RolloutSettings", "call_params", "settings_from_config"]
+__all__ = [
+    # ppo.py
+    "PPOHyperparams", "RolloutSettings",
+    # grpo.py
+    "GRPOHyperparams",
+    # dpo.py
+    "DPOHyperparams", "preference_shard", "toy_preference_records",
+    # settings.py
+    "AlgorithmSettings", "RUNTIME_ALGORITHMS", "call_params", "settings_from_config",
+]

@@ -14,7 +14,7 @@ chosen answer of pair i and row 2i + 1 is prompt + rejected answer, see `prefere
                            actor/rewards_rejected, actor/reward_accuracy, actor/grad_norm, actor/lr.
 
 The built-in toy preference task (`toy_preference_records`) reuses the count-on prompts of
-app/toy_task.py: the chosen answer counts up from the last prompt digit (the toy target), the
+app.data.toy_task: the chosen answer counts up from the last prompt digit (the toy target), the
 rejected one counts down, so a policy that learns the preference also learns the task.
 """
 
@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.data import PreferenceExample, PreferenceRecord
-from app.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
+from app.data import TOY_RESPONSE_LEN, PreferenceExample, PreferenceRecord, generate_toy_prompts, toy_target
 from planning.dataflow import MFC
 
 

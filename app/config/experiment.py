@@ -1,0 +1,292 @@
+"""The experiment config: a pydantic schema loaded from YAML plus dotted command-line overrides.
+
+`load_config` reads a YAML file, applies `key.path=value` overrides (values parsed as YAML
+scalars, so `plan.seconds=1` is an int and `cluster.virtual_gpus=true` a bool) and validates
+with `extra="forbid"` everywhere. app.config.problem turns a config into the planner's inputs.
+
+Every bad input, whether caught by pydantic or by the semantic checks here, surfaces as one
+`ConfigError` whose message names the dotted field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from app.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DPOConfig,
+    GRPOConfig,
+    PPOConfig,
+    RewardConfig,
+    SamplingConfig,
+    TrackingConfig,
+)
+from planning.hardware import HARDWARE_PRESETS
+from planning.layout import Layout
+from planning.models import MODEL_PRESETS
+
+
+class ConfigError(ValueError):
+    """A config value that is not allowed. `field` is the dotted path, e.g. `batch.gen_len`."""
+
+    def __init__(self, field: str, value: Any, allowed: str, problem: str = "not allowed") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={_show(value)}: {problem}; allowed: {allowed}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---- schema --------------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    # coerce_numbers_to_str: an override like run.name=2024 parses as a YAML int but names a string field.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+class ModelSource(_Section):
+    """Where a model's shapes come from: a named preset or an HF checkpoint directory."""
+
+    preset: str | None = None
+    path: str | None = None
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        # The ValueError text is the "allowed" part of the ConfigError (see _from_validation).
+        if value is not None and value not in MODEL_PRESETS:
+            raise ValueError(f"one of {', '.join(MODEL_PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("exactly one of 'preset' or 'path'")
+        return self
+
+
+class ModelsConfig(_Section):
+    """One model per role. ref defaults to actor; reward defaults to critic, else to actor."""
+
+    actor: ModelSource
+    critic: ModelSource | None = None
+    ref: ModelSource | None = None
+    reward: ModelSource | None = None
+
+
+class BatchConfig(_Section):
+    """prompts per iteration, token lengths, PPO minibatches/epochs and the GRPO group size."""
+
+    prompts: int = Field(512, ge=1)
+    prompt_len: int = Field(128, ge=1)
+    gen_len: int = Field(384, ge=1)
+    ppo_minibatches: int = Field(4, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    group_size: int = Field(8, ge=1)
+
+
+class ClusterConfig(_Section):
+    """nodes x gpus_per_node GPUs of one hardware preset; virtual_gpus runs them on CPU.
+    dashboard: start the Ray dashboard (127.0.0.1) with a local instance."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    gpu: str = "h100-80g"
+    virtual_gpus: bool = False
+    dashboard: bool = True
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str) -> str:
+        if value not in HARDWARE_PRESETS:
+            raise ValueError(f"one of {', '.join(HARDWARE_PRESETS)}")
+        return value
+
+
+class ManualPlacement(_Section):
+    """A call's placement written by hand: mesh like 'n0:g0-3', layout like 'dp2tp2pp1'."""
+
+    mesh: str
+    layout: str
+
+    @field_validator("layout")
+    @classmethod
+    def _parsable_layout(cls, value: str) -> str:
+        try:
+            Layout.parse(value)
+        except ValueError:
+            raise ValueError("a layout like 'dp2tp2pp1' or 'tp2,pp1'") from None
+        return value
+
+
+class PlanConfig(_Section):
+    """How to choose the plan: MCMC search, exhaustive, the heuristic, or `manual` placements."""
+
+    mode: Literal["search", "exhaustive", "heuristic", "manual"] = "search"
+    seconds: float = Field(60.0, gt=0)
+    seed: int = 0
+    profile: str | None = None
+    manual: dict[str, ManualPlacement] | None = None
+
+
+class RunConfig(_Section):
+    """Name of the run, its directory (None: runs/<name>-<time>), training length and timeouts.
+
+    call_timeout_s: the driver gives up on a call (naming it and its workers) after this long;
+    collective_timeout_s: torch.distributed timeout, so a stalled collective raises in the worker.
+    """
+
+    name: str = "realray"
+    dir: str | None = None
+    iterations: int = Field(40, ge=1)
+    seed: int = 0
+    call_timeout_s: float = Field(600.0, gt=0)
+    collective_timeout_s: float = Field(300.0, gt=0)
+
+
+class ExperimentConfig(_Section):
+    """A whole experiment: the planning sections, then the ones only training reads (app.config.sections)."""
+
+    algorithm: Literal["ppo", "grpo", "dpo", "remax"] = "ppo"
+    models: ModelsConfig
+    batch: BatchConfig = BatchConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    plan: PlanConfig = PlanConfig()
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    dpo: DPOConfig = DPOConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read YAML at `path`, apply `key.path=value` overrides, validate. Raises ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", str(path), "an existing YAML file", problem="no such file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("config", str(path), "valid YAML", problem=f"{where}{problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config", str(path), "a YAML mapping of sections (algorithm, models, ...)",
+                          problem=f"holds a {type(raw).__name__}")
+    for override in overrides or []:
+        apply_override(raw, override)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a plain dict (e.g. parsed YAML) into an ExperimentConfig. Raises ConfigError."""
+    try:
+        cfg = ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise _from_validation(exc) from None
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `raw[a][b][c] = yaml_scalar(value)` for the override 'a.b.c=value', in place."""
+    key, sep, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError("override", override, "key.path=value, e.g. plan.seconds=5")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text  # not YAML: keep the plain string and let the schema judge it
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            dotted = ".".join(parts[: depth + 1])
+            raise ConfigError(dotted, child, f"a section holding {key.strip()}", problem="not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _from_validation(exc: ValidationError) -> ConfigError:
+    """The first pydantic error as a ConfigError naming the dotted field and what is allowed."""
+    # An unknown key explains the other errors of its section (often a misspelt field), so it goes first.
+    err = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    loc = tuple(str(part) for part in err["loc"])
+    field = ".".join(loc) or "config"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        known = _fields_at(loc[:-1])
+        return ConfigError(field, err["input"], f"the fields {', '.join(known)}", problem="unknown field")
+    if kind == "missing":
+        return ConfigError(field, None, "a value", problem="required field missing")
+    if kind == "value_error":
+        # Our validators raise ValueError(<what is allowed>); pydantic keeps it in ctx["error"].
+        return ConfigError(field, err["input"], str(err["ctx"]["error"]))
+    return ConfigError(field, err["input"], err["msg"].removeprefix("Input should be "))
+
+
+def _fields_at(loc: tuple[str, ...]) -> list[str]:
+    """Field names of the section at `loc` (walking dict[str, Section] values by key)."""
+    target: Any = ExperimentConfig
+    expect_key = False
+    for part in loc:
+        if expect_key:
+            expect_key = False
+            continue
+        if not (isinstance(target, type) and issubclass(target, BaseModel)) or part not in target.model_fields:
+            return []
+        target, expect_key = _section_type(target.model_fields[part].annotation)
+    return list(target.model_fields) if isinstance(target, type) and issubclass(target, BaseModel) else []
+
+
+def _section_type(annotation: Any) -> tuple[Any, bool]:
+    """(section class, whether it sits behind dict keys) of a field annotation like `X | None`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if arg is not type(None):
+                return _section_type(arg)
+    if origin is dict:
+        return typing.get_args(annotation)[1], True
+    return annotation, False
+
+
+def _check_cross_fields(cfg: ExperimentConfig) -> None:
+    """Checks that involve more than one field."""
+    if cfg.plan.mode == "manual" and not cfg.plan.manual:
+        raise ConfigError("plan.manual", cfg.plan.manual, "placements for every call when plan.mode is 'manual'")
+    if cfg.plan.profile is not None and not Path(cfg.plan.profile).is_file():
+        raise ConfigError("plan.profile", cfg.plan.profile, "an existing profile JSON file (python -m app profile)")
+    if cfg.algorithm == "grpo" and "kl_coef" in cfg.ppo.model_fields_set and cfg.ppo.kl_coef != 0:
+        # GRPO puts no KL penalty into the rewards: a non-zero ppo.kl_coef would be ignored silently.
+        raise ConfigError("ppo.kl_coef", cfg.ppo.kl_coef, "unset or 0 for GRPO, whose KL is a loss term: set "
+                          "grpo.kl_loss_coef (default 0.001) instead")
+    seqs = cfg.batch.prompts * (cfg.batch.group_size if cfg.algorithm == "grpo" else 1)
+    if cfg.algorithm in ("ppo", "grpo") and seqs % cfg.batch.ppo_minibatches:
+        raise ConfigError("batch.ppo_minibatches", cfg.batch.ppo_minibatches,
+                          f"a divisor of the {seqs} sequences per iteration")

@@ -1,0 +1,191 @@
+"""From an experiment config to the planner's inputs: the dataflow graph, the cluster, one
+model per role (`build_problem`), and the `plan.manual` section as an `ExecutionPlan`.
+
+Errors are `ConfigError`s naming the dotted field, like every other config error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
+from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
+from planning.cost_terms import OpEfficiency
+from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, remax_graph
+from planning.hardware import GiB, hardware_preset
+from planning.layout import ClusterSpec, Layout, Mesh
+from planning.models import ModelSpec, model_preset, validate_tp
+from planning.plan import ExecutionPlan, Placement
+from planning.search import EXHAUSTIVE_LIMIT
+
+# Bytes per parameter that must live somewhere in the cluster: bf16 weights (2) for every model;
+# trained models add bf16 grads (2) and the optimizer state (fp32 master + AdamW m, v: 12).
+FROZEN_BYTES_PER_PARAM = 2
+TRAINED_BYTES_PER_PARAM = 2 + 2 + OPTIMIZER_BYTES_PER_PARAM
+
+
+def build_graph(cfg: ExperimentConfig) -> Graph:
+    """The algorithm's dataflow graph for the configured batch."""
+    b = cfg.batch
+    shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
+    if cfg.algorithm == "ppo":
+        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs)
+    if cfg.algorithm == "grpo":
+        return grpo_graph(shape, b.group_size, b.ppo_minibatches)
+    if cfg.algorithm == "dpo":
+        return dpo_graph(shape)
+    return remax_graph(shape)
+
+
+def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
+    """The cluster from the hardware preset, with a measured profile applied when given."""
+    hardware = hardware_preset(cfg.cluster.gpu)
+    if cfg.plan.profile is not None:
+        try:
+            hardware = hardware.with_profile(cfg.plan.profile)
+        except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON that is not an object
+            raise ConfigError("plan.profile", cfg.plan.profile, f"a readable profile JSON ({exc})") from None
+    return ClusterSpec(cfg.cluster.nodes, cfg.cluster.gpus_per_node, hardware)
+
+
+def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
+    """The op efficiencies of the measured profile (`plan.profile`, its "efficiency" block, as
+    `python -m app profile` writes it); every factor 1.0 without a profile or without the block."""
+    if cfg.plan.profile is None:
+        return OpEfficiency()
+    try:
+        block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
+        if not isinstance(block, dict):
+            raise ValueError(f"'efficiency' is a {type(block).__name__}, not an object")
+        return OpEfficiency.from_dict(block)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError("plan.profile", cfg.plan.profile,
+                          f"a profile JSON whose 'efficiency' maps gemm/decode/comm/optimizer to (0, 1] ({exc})") from None
+
+
+def role_sources(cfg: ExperimentConfig) -> dict[str, tuple[str, ModelSource]]:
+    """role -> (dotted field it came from, source), applying the defaults ref<-actor, reward<-critic<-actor."""
+    m = cfg.models
+    out = {"actor": ("models.actor", m.actor)}
+    out["ref"] = ("models.ref", m.ref) if m.ref else out["actor"]
+    if m.critic:
+        out["critic"] = ("models.critic", m.critic)
+    out["reward"] = ("models.reward", m.reward) if m.reward else out.get("critic", out["actor"])
+    return out
+
+
+def model_spec(field: str, source: ModelSource) -> ModelSpec:
+    """The ModelSpec of a preset or HF directory; `field` names the config entry in errors."""
+    if source.preset is not None:
+        return model_preset(source.preset)
+    try:
+        return ModelSpec.from_hf_config(source.path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ConfigError(f"{field}.path", source.path,
+                          f"an HF model directory with a LLaMA-family config.json ({exc})") from None
+
+
+def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
+    """Graph + cluster + one model per role the graph uses. Raises ConfigError on a bad config."""
+    graph = build_graph(cfg)
+    cluster = build_cluster(cfg)
+    sources = role_sources(cfg)
+    models: dict[str, ModelRole] = {}
+    for role in graph.roles:
+        if role not in sources:
+            raise ConfigError(f"models.{role}", None, f"a model for the {role} role, which {cfg.algorithm} uses")
+        field, source = sources[role]
+        spec = model_spec(field, source)
+        seq_len = cfg.batch.prompt_len + cfg.batch.gen_len
+        if seq_len > spec.max_position_embeddings:
+            raise ConfigError("batch.gen_len", cfg.batch.gen_len,
+                              f"prompt_len + gen_len <= {spec.max_position_embeddings} (max positions of {field})")
+        models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
+    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg))
+    check_cluster_memory(cfg, problem)
+    return problem
+
+
+def check_cluster_memory(cfg: ExperimentConfig, problem: PlanningProblem) -> None:
+    """Refuse, before searching, a cluster whose total memory cannot hold weights + optimizer states."""
+    trained = set(problem.graph.trained_roles)
+    need = 0.0
+    for role, model in problem.models.items():
+        per_param = TRAINED_BYTES_PER_PARAM if role in trained else FROZEN_BYTES_PER_PARAM
+        need += per_param * model.spec.n_params(model.critic)
+    have = problem.cluster.n_gpus * problem.cluster.hardware.mem_bytes
+    if need > have:
+        c = cfg.cluster
+        raise ConfigError(
+            "cluster", f"{c.nodes}x{c.gpus_per_node} {c.gpu}",
+            f"at least {need / GiB:.0f} GiB of GPU memory in total for weights and optimizer states "
+            f"(this cluster has {have / GiB:.0f} GiB): add nodes or use a GPU with more memory",
+            problem="too small for the models",
+        )
+
+
+def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPlan | None:
+    """The `plan.manual` placements as an ExecutionPlan; None unless plan.mode is 'manual' (a
+    manual section left in a config does not stand in the way of searching). Raises ConfigError."""
+    if cfg.plan.mode != "manual" or not cfg.plan.manual:
+        return None
+    calls = [m.name for m in problem.graph.mfcs]
+    for name in cfg.plan.manual:
+        if name not in calls:
+            raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
+                              problem="unknown call")
+    missing = [name for name in calls if name not in cfg.plan.manual]
+    if missing:
+        raise ConfigError("plan.manual", sorted(cfg.plan.manual),
+                          f"a placement for every call; missing {', '.join(missing)}", problem="incomplete")
+    placements = {}
+    for mfc in problem.graph.mfcs:
+        placements[mfc.name] = _manual_placement(mfc.name, cfg.plan.manual[mfc.name], problem.models[mfc.role].spec,
+                                                 problem.cluster)
+    return ExecutionPlan.from_dict(placements)
+
+
+def _manual_placement(name: str, given: ManualPlacement, spec: ModelSpec, cluster: ClusterSpec) -> Placement:
+    field = f"plan.manual.{name}"
+    try:
+        mesh = Mesh.parse(given.mesh, cluster.gpus_per_node)
+    except ValueError as exc:
+        raise ConfigError(f"{field}.mesh", given.mesh, f"a legal mesh like 'n0' or 'n0:g0-3' ({exc})") from None
+    if mesh.start + mesh.size > cluster.n_gpus:
+        raise ConfigError(f"{field}.mesh", given.mesh,
+                          f"a mesh inside the {cluster.nodes}x{cluster.gpus_per_node} cluster {cluster.full_mesh}",
+                          problem="outside the cluster")
+    layout = Layout.parse(given.layout)
+    try:
+        validate_tp(spec, layout.tp)
+    except ValueError as exc:
+        raise ConfigError(f"{field}.layout", given.layout,
+                          f"tp dividing the heads, intermediate and vocab sizes of {spec.name} ({exc})") from None
+    if layout.pp > spec.n_layers:
+        raise ConfigError(f"{field}.layout", given.layout, f"pp <= n_layers={spec.n_layers} of {spec.name}")
+    try:
+        return Placement(mesh, layout)
+    except ValueError as exc:
+        raise ConfigError(f"{field}.layout", given.layout,
+                          f"dp*tp*pp = {mesh.size} GPUs of mesh {mesh}, tp inside one node ({exc})") from None
+def search_error(cfg: ExperimentConfig, exc: ValueError) -> ConfigError:
+    """The config field to blame when no runnable plan came out: the manual plan, the exhaustive
+    mode's size, or the cluster (too small for the models and batch)."""
+    what = " ".join(str(exc).split())
+    if cfg.plan.mode == "manual":
+        given = ", ".join(f"{name}: {p.mesh}/{p.layout}" for name, p in (cfg.plan.manual or {}).items())
+        return ConfigError("plan.manual", given, f"placements on which every call can run ({what})",
+                           problem="infeasible plan")
+    if cfg.plan.mode == "exhaustive" and str(EXHAUSTIVE_LIMIT) in what:
+        return ConfigError("plan.mode", cfg.plan.mode, f"'search' or 'heuristic' for a plan space this large ({what})",
+                           problem="too many plans")
+    c = cfg.cluster
+    return ConfigError(
+        "cluster", f"{c.nodes}x{c.gpus_per_node} {c.gpu}",
+        f"a cluster on which plan mode {cfg.plan.mode!r} finds a feasible plan ({what}): add GPUs, "
+        "shorten batch.gen_len or lower batch.prompts",
+        problem="no feasible plan",
+    )
+
+

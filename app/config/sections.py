@@ -1,0 +1,136 @@
+"""Config sections that only training reads: data, reward, sampling, PPO, DPO, tracking, checkpoints.
+
+They sit beside the planning sections of `app.config.experiment` in `ExperimentConfig` (which imports
+them from here to keep that module small) and follow its rules: `extra="forbid"`, frozen, and a
+bad value surfaces as a `ConfigError` naming the dotted field, the value and what is allowed.
+`python -m app plan` ignores them; `python -m app train` checks the ones that need files or
+imports (dataset, reward function) in `app.run.runtime.preflight`, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KL_CONTROLLERS = ("fixed", "adaptive")
+KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KLEstimator = Literal["k1", "abs", "mse", "k2", "low_var_kl", "k3"]  # the same names, for the config fields
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+class TrainSection(BaseModel):
+    # The same rules as app.config._Section (kept separate so this module does not import it).
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+class DataConfig(TrainSection):
+    """Prompt dataset: "toy" (the built-in count-on task) or a JSONL / Parquet file.
+
+    tokenizer: "toy" (the toy task's character tokenizer) or an HF model directory.
+    max_prompt_len: longest prompt in tokens (None: batch.prompt_len); too_long says what happens
+    to longer ones. toy_size / seed: how many toy prompts to generate and the shuffle seed.
+    """
+
+    path: str = "toy"
+    prompt_key: str = "prompt"
+    answer_key: str | None = "answer"
+    tokenizer: str = "toy"
+    chat_template: bool = False
+    max_prompt_len: int | None = Field(None, ge=1)
+    too_long: Literal["error", "drop", "truncate_left"] = "error"
+    toy_size: int = Field(1024, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+
+
+class RewardConfig(TrainSection):
+    """Rule-based reward `module:function` (or `file.py:function`); null uses the reward model
+    (models.reward, defaulting to the critic's shape) as a learned reward instead."""
+
+    function: str | None = "app.data.rewards:toy_reward"
+
+
+class SamplingConfig(TrainSection):
+    """How the actor samples during generation (gen length is batch.gen_len). temperature 0 = greedy.
+
+    compile: on CUDA, run the decode step through torch.compile under its CUDA graph (fuses the
+    small elementwise kernels of a step; costs a compile per generation shape on first use).
+    """
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    compile: bool = False
+
+
+class PPOConfig(TrainSection):
+    """PPO hyperparameters (minibatches and epochs are batch.ppo_minibatches / batch.ppo_epochs).
+
+    kl_coef: weight of the KL penalty folded into the rewards; kl_controller adaptive adjusts it
+    towards kl_target over kl_horizon sequences (Ziegler et al.). gamma / lam: GAE.
+    clip_eps / value_clip_eps: PPO ratio and value clipping. adv_norm: whiten advantages.
+    """
+
+    actor_lr: float = Field(1e-5, gt=0.0)
+    critic_lr: float = Field(5e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    kl_coef: float = Field(0.05, ge=0.0)
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_target: float = Field(6.0, gt=0.0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: KLEstimator = "k1"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    value_clip_eps: float = Field(0.2, gt=0.0)
+    adv_norm: bool = True
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+
+
+class GRPOConfig(TrainSection):
+    """GRPO (algorithm: grpo): the KL to the reference is a loss term, not a reward penalty
+    (ppo.kl_coef does not apply). kl_loss_coef / kl_loss_estimator as veRL's actor.kl_loss_coef
+    (0.001) and kl_loss_type (low_var_kl); scale_by_std: divide the group-centred rewards by the
+    group's std (False: Dr. GRPO). The group size is batch.group_size; clipping, epochs,
+    minibatches and loss aggregation come from the ppo section."""
+
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_estimator: KLEstimator = "low_var_kl"
+    scale_by_std: bool = True
+
+
+class DPOConfig(TrainSection):
+    """DPO (algorithm: dpo). beta: strength of the implicit KL to the reference; label_smoothing:
+    conservative DPO's assumed label noise; lr: the actor's learning rate. Preference files
+    (data.path) hold data.prompt_key, chosen_key and rejected_key fields per line; data.path "toy"
+    generates the built-in toy pairs (app/algorithms/dpo.py)."""
+
+    beta: float = Field(0.1, gt=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    lr: float = Field(1e-6, gt=0.0)
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+
+
+class TrackingConfig(TrainSection):
+    """Where metrics go: always metrics.jsonl; the console line and W&B (offline without an API key)."""
+
+    project: str = "realray"
+    wandb: bool = True
+    console: bool = True
+
+
+class CheckpointConfig(TrainSection):
+    """HF exports of the trained models: every `every` iterations (0: never in between) and at the end."""
+
+    every: int = Field(0, ge=0)
+    at_end: bool = True
+
+
+__all__ = [
+    "CheckpointConfig", "DPOConfig", "DataConfig", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PPOConfig",
+    "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
+]

@@ -1,0 +1,33 @@
+"""What a run trains on: the built-in toy task, prompt and preference datasets, reward functions.
+
+May import planning and app.config (no torch at import time). In dependency order:
+  toy_task  the built-in toy task: prompts, a character tokenizer and its rule-based reward
+  datasets  JSONL/Parquet prompt files and DPO preference pairs, tokenisation, the batch iterator
+  rewards   rule-based reward functions named by a `module:function` string
+"""
+
+from __future__ import annotations
+
+from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
+from app.data.datasets import (
+    BatchIterator,
+    PreferenceExample,
+    PreferenceRecord,
+    PromptExample,
+    build_prompt_dataset,
+    load_preference_records,
+    load_tokenizer,
+    read_text_column,
+    tokenize_preferences,
+)
+from app.data.rewards import RewardLoadError, load_reward_fn
+
+__all__ = [
+    # toy_task.py
+    "TOY_RESPONSE_LEN", "generate_toy_prompts", "toy_target",
+    # datasets.py
+    "BatchIterator", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
+    "load_preference_records", "load_tokenizer", "read_text_column", "tokenize_preferences",
+    # rewards.py
+    "RewardLoadError", "load_reward_fn",
+]

@@ -1,0 +1,26 @@
+"""Running an experiment on Ray: set-up, the per-iteration schedule, the driver loop, checkpoints,
+and the one-placement jobs behind `generate` and `score`.
+
+Imports everything below it (actors, cluster, planning, app.config/data/reporting/algorithms);
+imports torch and ray, so the CLI imports it inside the commands that run. In dependency order:
+  schedule    what the driver submits for one iteration and which shards each consumer gets
+  checkpoint  HF exports of the trained models under `<run_dir>/checkpoints/iter_N/`
+  runtime     checks before any worker starts, then Ray, the plan search, workers and models
+  driver      `Driver`: runs the plan's dataflow graph iteration after iteration
+  jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
+"""
+
+from __future__ import annotations
+
+from app.run.runtime import preflight
+from app.run.driver import Driver, DriverError
+from app.run.jobs import LayoutJob, column, generate_on_ray
+
+__all__ = [
+    # runtime.py
+    "preflight",
+    # driver.py
+    "Driver", "DriverError",
+    # jobs.py
+    "LayoutJob", "column", "generate_on_ray",
+]

@@ -1,0 +1,308 @@
+"""Setting up a training run: checks before any worker starts, then Ray, plan, workers, models.
+
+`preflight(cfg)` needs no Ray: it builds the planning problem (cluster too small for the models
+fails here), resolves the reward function, reads and tokenises the dataset (a row without the
+prompt field fails naming the file and line; for DPO, preference pairs with prompt, chosen and
+rejected fields) and checks there are enough prompts (pairs) for a batch.
+Every failure is one `ConfigError`.
+
+The rest runs in this order on the driver (see app.run.driver):
+`connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; checks the Ray cluster holds
+the configured GPUs), `start_plan_search` (the search runs in a `PlannerService` actor while the
+workers start), `start_workers` + `init_world` (one `ModelWorker` per GPU, torch.distributed
+rendezvous with a timeout), `setup_groups` (every process group the plan will use: each
+placement's layout groups and each reallocation's broadcast groups, created once, in one
+order, on every rank) and `load_models` (trained roles on their train placement, frozen roles
+on their first call's placement).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config, toy_preference_records
+from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources, search_error
+from app.data import (
+    PreferenceExample,
+    PromptExample,
+    RewardLoadError,
+    build_prompt_dataset,
+    load_preference_records,
+    load_reward_fn,
+    load_tokenizer,
+    tokenize_preferences,
+)
+from app.run.schedule import home_placements, realloc_member_sets
+from cluster.collective import list_process_groups
+from cluster.placement import WorkerGroup, create_workers
+from cluster.resources import RayClusterInfo, RayStartOptions, connect
+from planning.cost import PlanningProblem
+from planning.models import ModelSpec
+from planning.plan import ExecutionPlan, Placement
+from planning.realloc_plan import plan_reallocation
+
+TOY_TOKENIZER = "app.data.toy_task:CharTokenizer"
+PLAN_GRACE_S = 120.0  # the planner actor gets the search budget plus this before the driver gives up
+
+
+@dataclass(frozen=True)
+class RoleModel:
+    """One role's model: its shapes, where its weights come from, and whether it is trained."""
+
+    role: str
+    spec: ModelSpec
+    critic: bool
+    hf_dir: str | None
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    """Everything checked before Ray starts."""
+
+    cfg: ExperimentConfig
+    problem: PlanningProblem
+    manual: ExecutionPlan | None
+    models: dict[str, RoleModel]  # roles that hold weights (a rule-based reward holds none)
+    examples: list[PromptExample] | list[PreferenceExample]  # preference pairs for DPO
+    tokenizer_spec: str  # what workers load to decode: 'module:Class' or an HF directory
+    reward_fn: str | None  # 'module:function' of a rule-based reward, None for a reward model
+    eos_token_id: int
+    pad_token_id: int
+    settings: AlgorithmSettings  # what app.algorithms.call_params turns into each call's params
+
+
+def preflight(cfg: ExperimentConfig) -> TrainInputs:
+    """Check the config against files, imports and sizes; no Ray, no workers. Raises ConfigError."""
+    if cfg.algorithm not in RUNTIME_ALGORITHMS:
+        raise ConfigError("algorithm", cfg.algorithm, ", ".join(RUNTIME_ALGORITHMS) + " (the algorithms `train` runs)",
+                          problem="not supported by train yet")
+    problem = build_problem(cfg)  # cluster too small for the models: ConfigError("cluster", ...)
+    manual = manual_plan(cfg, problem)
+    dpo = cfg.algorithm == "dpo"
+    reward_fn = None if dpo else _check_reward(cfg)  # DPO has no reward call
+    tokenizer = _load_tokenizer(cfg)
+    examples = _load_preferences(cfg, tokenizer) if dpo else _load_dataset(cfg, tokenizer, needs_answer=False)
+    tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
+    eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
+    try:
+        # Workers decode responses only for a rule-based reward (a reward model reads token ids),
+        # so a data tokenizer smaller than the model's vocabulary (the toy one) stays usable.
+        settings = settings_from_config(cfg, tokenizer_spec if reward_fn else None, reward_fn, eos, pad)
+    except ValueError as exc:  # the message names the field (e.g. ppo.kl_estimator)
+        raise ConfigError("config", cfg.algorithm, "values the algorithm accepts", problem=str(exc)) from None
+    return TrainInputs(
+        cfg=cfg, problem=problem, manual=manual, models=role_models(cfg, problem, reward_fn is not None),
+        examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,
+        settings=settings,
+    )
+
+
+def role_models(cfg: ExperimentConfig, problem: PlanningProblem, rule_reward: bool) -> dict[str, RoleModel]:
+    """The roles that hold weights, in graph order; a rule-based reward leaves the reward role out."""
+    sources = role_sources(cfg)
+    trained = set(problem.graph.trained_roles)
+    out = {}
+    for role in problem.graph.roles:
+        if role == "reward" and rule_reward:
+            continue
+        field, source = sources[role]
+        out[role] = RoleModel(role, model_spec(field, source), role in ("critic", "reward"), source.path,
+                              role in trained)
+    return out
+
+
+def _check_reward(cfg: ExperimentConfig) -> str | None:
+    if cfg.reward.function is None:
+        return None
+    try:
+        return load_reward_fn(cfg.reward.function).spec
+    except RewardLoadError as exc:
+        raise ConfigError("reward.function", cfg.reward.function,
+                          "'module:function' or 'path/to/file.py:function' naming a callable, "
+                          "e.g. app.data.rewards:toy_reward", problem=str(exc)) from None
+
+
+def _load_tokenizer(cfg: ExperimentConfig) -> Any:
+    try:
+        return load_tokenizer(cfg.data.tokenizer)
+    except ValueError as exc:
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "'toy' or an HF model directory with tokenizer files",
+                          problem=str(exc)) from None
+
+
+def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
+    d = cfg.data
+    if d.path != "toy" and not Path(d.path).is_file():
+        raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file", problem="no such file")
+    try:
+        examples = build_prompt_dataset(
+            d.path, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key, require_answer=needs_answer,
+            chat_template=d.chat_template, max_prompt_len=d.max_prompt_len or cfg.batch.prompt_len,
+            too_long=d.too_long, toy_size=d.toy_size, toy_seed=d.seed,
+        )
+    except ValueError as exc:  # the message names the file and the line
+        raise ConfigError("data.path", d.path, f"rows with a string field {d.prompt_key!r} (data.prompt_key)",
+                          problem=" ".join(str(exc).split())) from None
+    if len(examples) < cfg.batch.prompts:
+        raise ConfigError("batch.prompts", cfg.batch.prompts,
+                          f"at most the {len(examples)} usable prompts of data.path={d.path!r}")
+    return examples
+
+
+def _load_preferences(cfg: ExperimentConfig, tokenizer: Any) -> list[PreferenceExample]:
+    """DPO pairs of data.path ("toy": the built-in toy pairs), each prompt + answer within
+    batch.prompt_len + batch.gen_len tokens. A bad row fails naming the file and the line."""
+    d, keys = cfg.data, (cfg.data.prompt_key, cfg.dpo.chosen_key, cfg.dpo.rejected_key)
+    if d.path != "toy" and not Path(d.path).is_file():
+        raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file of preference pairs",
+                          problem="no such file")
+    try:
+        records = (toy_preference_records(d.toy_size, d.seed) if d.path == "toy"
+                   else load_preference_records(d.path, *keys))
+        examples = tokenize_preferences(records, tokenizer, d.chat_template,
+                                        max_len=cfg.batch.prompt_len + cfg.batch.gen_len)
+    except ValueError as exc:  # the message names the file and the line
+        raise ConfigError("data.path", d.path, "rows with string fields {!r}, {!r} and {!r} (data.prompt_key, "
+                          "dpo.chosen_key, dpo.rejected_key)".format(*keys),
+                          problem=" ".join(str(exc).split())) from None
+    if len(examples) < cfg.batch.prompts:
+        raise ConfigError("batch.prompts", cfg.batch.prompts,
+                          f"at most the {len(examples)} usable preference pairs of data.path={d.path!r}")
+    return examples
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+
+
+def connect_cluster(cfg: ExperimentConfig) -> RayClusterInfo:
+    """Connect to RAY_ADDRESS or start a local Ray (virtual GPUs on CPU); check it is big enough."""
+    c = cfg.cluster
+    n_gpus = c.nodes * c.gpus_per_node
+    if c.virtual_gpus and c.nodes != 1:
+        raise ConfigError("cluster.nodes", c.nodes, "1 with cluster.virtual_gpus=true (one local Ray node)")
+    options = RayStartOptions(virtual_gpus=n_gpus if c.virtual_gpus else 0, hardware=c.gpu,
+                              include_dashboard=c.dashboard)
+    join_virtual_cluster(c.virtual_gpus)
+    info = connect(options)
+    have = info.spec
+    if have.gpus_per_node < c.gpus_per_node or have.nodes < c.nodes:
+        raise ConfigError("cluster", f"{c.nodes}x{c.gpus_per_node}",
+                          f"at most the {have.nodes}x{have.gpus_per_node} GPUs of the Ray cluster",
+                          problem="larger than the Ray cluster")
+    return info
+
+
+def join_virtual_cluster(virtual: bool) -> None:
+    """With virtual GPUs and RAY_ADDRESS set (e.g. `ray start --head --num-gpus 4` on a machine
+    without GPUs, then `ray job submit`), join that cluster here: `connect` refuses an address
+    with virtual GPUs (it would start its own instance) but reuses an initialised Ray."""
+    address = os.environ.get("RAY_ADDRESS")
+    if virtual and address and not ray.is_initialized():
+        ray.init(address=address)
+
+
+def start_plan_search(inputs: TrainInputs) -> tuple[Any, ray.ObjectRef]:
+    """Submit the plan search to a `PlannerService` actor (no CPU reserved: it must not hold
+    back the workers); returns the actor (for `wait_plan` to stop) and the ref of its result."""
+    from planning.planner_service import PlannerService
+
+    p = inputs.cfg.plan
+    planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()
+    return planner, planner.search.remote(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual)
+
+
+def wait_plan(cfg: ExperimentConfig, planner: Any, ref: ray.ObjectRef) -> Any:
+    """The search result, then the planner actor is stopped. A search that finds no plan is a
+    ConfigError naming the plan or the cluster."""
+    try:
+        return ray.get(ref, timeout=cfg.plan.seconds + PLAN_GRACE_S)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, ValueError) else ValueError(str(exc))
+        raise search_error(cfg, cause) from None
+    finally:
+        ray.kill(planner)
+
+
+def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -> WorkerGroup:
+    """One worker per configured GPU (CPU workers on virtual GPUs)."""
+    spec = inputs.problem.cluster
+    return create_workers(
+        worker_cls, spec, {"world_size": spec.n_gpus, "device": info.device},
+        rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
+        cpus_per_worker=0.0 if info.virtual else 1.0,
+        env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
+    )
+
+
+def init_world(workers: WorkerGroup, backend: str, timeout_s: float) -> None:
+    """Rendezvous: rank 0 reports an address, every worker joins one world with a timeout."""
+    (addr, port), = workers.run("address", ranks=[0], timeout_s=timeout_s)
+    workers.run("init_distributed", addr, port, backend, timeout_s, timeout_s=timeout_s + 60.0)
+
+
+def plan_groups(inputs: TrainInputs, plan: ExecutionPlan) -> tuple[tuple[int, ...], ...]:
+    """Every process group the plan needs, in one deterministic order."""
+    graph = inputs.problem.graph
+    roles = tuple(inputs.models)
+    placements: list[Placement] = [p for _, p in plan.placements]
+    placements += list(home_placements(graph, plan, roles).values())
+    realloc_sets: list[tuple[int, ...]] = []
+    for src, dst, role in realloc_member_sets(graph, plan, roles):
+        model = inputs.models[role]
+        realloc_sets.extend(plan_reallocation(model.spec, model.critic, src, dst).groups)
+        realloc_sets.append(tuple(sorted(set(src.mesh.gpus) | set(dst.mesh.gpus))))
+    return list_process_groups([(p.mesh, p.layout) for p in placements], realloc_sets,
+                               world_size=inputs.problem.cluster.n_gpus)
+
+
+def setup_groups(workers: WorkerGroup, groups: tuple[tuple[int, ...], ...], timeout_s: float) -> None:
+    """Create the groups on every rank (torch's new_group is collective over the world)."""
+    workers.run("ensure_groups", [list(g) for g in groups], timeout_s=timeout_s)
+
+
+def load_models(workers: WorkerGroup, inputs: TrainInputs, plan: ExecutionPlan, timeout_s: float) -> dict[str, Any]:
+    """Load each role on its home placement. Every rank is called (ranks outside the home mesh
+    record the model's shapes, which a later reallocation onto them needs); returns per role the
+    metadata of the home mesh's first rank."""
+    cfg = inputs.cfg
+    homes = home_placements(inputs.problem.graph, plan, tuple(inputs.models))
+    pending = {}
+    for index, (role, model) in enumerate(inputs.models.items()):
+        optim = optimizer_params(cfg, role) if model.trainable else {}
+        seed = cfg.run.seed + 1000 * index
+        if role == "ref" and "actor" in inputs.models and role_sources(cfg)["ref"] == role_sources(cfg)["actor"]:
+            # The reference policy is the initial actor (KL is measured against it): with no
+            # checkpoint, the same random init as the actor.
+            seed = cfg.run.seed + 1000 * list(inputs.models).index("actor")
+        pending[role] = workers.call("load_model", role, model.spec, model.critic, homes[role], model.hf_dir,
+                                     seed, model.trainable, optim)
+    started = time.perf_counter()
+    out = {}
+    for role, call in pending.items():
+        left = max(timeout_s - (time.perf_counter() - started), 1.0)
+        out[role] = workers.get(call, timeout_s=left)[homes[role].mesh.start]
+    return out
+
+
+def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+    """AdamW settings of a trained role (learning rate by role)."""
+    p = cfg.ppo
+    lr = p.actor_lr if role == "actor" else p.critic_lr
+    if cfg.algorithm == "dpo" and role == "actor":
+        lr = cfg.dpo.lr
+    return {"lr": lr, "weight_decay": p.weight_decay, "max_grad_norm": p.max_grad_norm,
+            "warmup_steps": p.warmup_steps}
+
+
+__all__ = [
+    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models",
+    "optimizer_params", "plan_groups", "preflight", "role_models", "setup_groups", "start_plan_search",
+    "start_workers", "wait_plan",
+]

@@ -1,0 +1,226 @@
+"""Experiment config: YAML + overrides, schema errors naming the field, problem and manual plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.config.experiment import ConfigError, ExperimentConfig, apply_override, load_config, validate_config
+from app.config.problem import build_problem, manual_plan
+from planning.layout import Layout, Mesh
+from planning.models import MODEL_PRESETS
+
+pytestmark = pytest.mark.unit
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+TINY_CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
+
+
+def tiny_raw(**sections: Any) -> dict[str, Any]:
+    """A valid tiny PPO config dict, with sections replaced by `sections`."""
+    raw: dict[str, Any] = {
+        "algorithm": "ppo",
+        "models": {"actor": {"preset": "tiny"}, "critic": {"preset": "tiny-critic"}},
+        "batch": {"prompts": 8, "prompt_len": 16, "gen_len": 16, "ppo_minibatches": 2},
+        "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu": "cpu", "virtual_gpus": True},
+        "plan": {"mode": "search", "seconds": 1},
+    }
+    raw.update(sections)
+    return raw
+
+
+def manual_section(layout: str = "dp2tp2pp1", mesh: str = "n0", **changed: dict[str, str]) -> dict[str, Any]:
+    placements = {name: {"mesh": mesh, "layout": layout} for name in TINY_CALLS}
+    placements.update(changed)
+    return {"mode": "manual", "seconds": 1, "manual": placements}
+
+
+def expect_error(raw: dict[str, Any], field: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        cfg = validate_config(raw)
+        manual_plan(cfg, build_problem(cfg))
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}=")
+    return info.value
+
+
+def test_every_example_loads_and_builds_a_problem() -> None:
+    paths = sorted(EXAMPLES.glob("*.yaml"))
+    expected = {"ppo-7b-34b", "ppo-70b-7b", "ppo-8gpu", "grpo-qwen", "dpo-7b", "remax-7b", "ppo-tiny"}
+    assert {p.stem for p in paths} >= expected
+    for path in paths:
+        cfg = load_config(path)
+        problem = build_problem(cfg)
+        assert problem.graph.algorithm == cfg.algorithm
+        assert set(problem.models) == set(problem.graph.roles)
+
+
+def test_paper_example_shapes() -> None:
+    cfg = load_config(EXAMPLES / "ppo-7b-34b.yaml")
+    problem = build_problem(cfg)
+    assert (problem.cluster.nodes, problem.cluster.gpus_per_node, problem.cluster.hardware.name) == (4, 8, "h100-80g")
+    assert problem.models["actor"].spec.name == "llama-7b" and not problem.models["actor"].critic
+    assert problem.models["critic"].spec.name == "llama-34b" and problem.models["critic"].critic
+    # ref defaults to the actor, reward to the critic.
+    assert problem.models["ref"].spec.name == "llama-7b" and not problem.models["ref"].critic
+    assert problem.models["reward"].spec.name == "llama-34b" and problem.models["reward"].critic
+    gen = problem.graph.mfc("actor_gen")
+    assert (gen.batch.n_seqs, gen.batch.prompt_len, gen.batch.gen_len) == (512, 128, 384)
+    assert problem.graph.mfc("actor_train").n_minibatches == 4
+
+
+def test_grpo_groups_and_reward_defaults_to_actor_without_critic() -> None:
+    raw = tiny_raw(algorithm="grpo", models={"actor": {"preset": "tiny"}},
+                   batch={"prompts": 4, "prompt_len": 8, "gen_len": 8, "ppo_minibatches": 2, "group_size": 4})
+    problem = build_problem(validate_config(raw))
+    assert problem.graph.mfc("actor_gen").batch.n_seqs == 16
+    assert problem.models["reward"].spec.name == "tiny" and problem.models["reward"].critic
+    assert "critic" not in problem.models
+
+
+def test_grpo_kl_is_its_own_loss_coefficient_not_ppo_kl_coef() -> None:
+    from app.algorithms import settings_from_config
+
+    grpo_batch = {"prompts": 4, "prompt_len": 8, "gen_len": 8, "ppo_minibatches": 2, "group_size": 4}
+    raw = tiny_raw(algorithm="grpo", models={"actor": {"preset": "tiny"}}, batch=grpo_batch)
+    settings = settings_from_config(validate_config(raw), None, None, None)
+    assert settings.grpo is not None and settings.grpo.kl_loss_coef == 0.001  # veRL's default
+    assert settings.grpo.kl_loss_estimator == "low_var_kl" and settings.grpo.scale_by_std
+    raw["grpo"] = {"kl_loss_coef": 0.02, "kl_loss_estimator": "k1", "scale_by_std": False}
+    settings = settings_from_config(validate_config(raw), None, None, None)
+    assert (settings.grpo.kl_loss_coef, settings.grpo.kl_loss_estimator, settings.grpo.scale_by_std) == (0.02, "k1", False)
+    error = expect_error({**raw, "ppo": {"kl_coef": 0.05}}, "ppo.kl_coef")
+    assert "grpo.kl_loss_coef" in str(error)
+    expect_error({**raw, "grpo": {"kl_loss_coef": -1.0}}, "grpo.kl_loss_coef")
+    validate_config({**raw, "ppo": {"kl_coef": 0.0}})  # no reward penalty: consistent with GRPO
+
+
+def test_overrides_parse_yaml_scalars_and_nest(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw()))
+    cfg = load_config(path, ["batch.prompts=16", "cluster.virtual_gpus=false", "plan.seconds=0.5",
+                             "run.name=my run", "models.ref={preset: tiny}", "algorithm=dpo", "run.dir=2024"])
+    assert cfg.batch.prompts == 16 and cfg.cluster.virtual_gpus is False and cfg.plan.seconds == 0.5
+    assert cfg.run.name == "my run" and cfg.models.ref is not None and cfg.models.ref.preset == "tiny"
+    assert cfg.algorithm == "dpo" and cfg.run.dir == "2024"  # a YAML int into a string field
+
+
+@pytest.mark.parametrize("override, field", [("batch.prompts", "override"), ("=3", "override"),
+                                             ("batch.prompts.x=1", "batch.prompts")])
+def test_bad_override(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_override(tiny_raw(), override)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("change, field, allowed_part", [
+    ({"algorithm": "sft"}, "algorithm", "'grpo'"),
+    ({"models": {"actor": {"preset": "llama-8b"}}}, "models.actor.preset", "llama-7b"),
+    ({"models": {"actor": {"preset": "tiny", "path": "/x"}}}, "models.actor", "exactly one"),
+    ({"models": {"actor": {"preset": "tiny", "size": 3}}}, "models.actor.size", "preset, path"),
+    ({"batch": {"gen_len": -4}}, "batch.gen_len", "greater than or equal to 1"),
+    ({"batch": {"prompts": "many"}}, "batch.prompts", "integer"),
+    ({"batch": {"prompts": 8, "ppo_minibatches": 3}}, "batch.ppo_minibatches", "divisor"),
+    ({"cluster": {"gpu": "v100"}}, "cluster.gpu", "h100-80g"),
+    ({"cluster": {"nodes": 0}}, "cluster.nodes", "greater than or equal to 1"),
+    ({"plan": {"mode": "greedy"}}, "plan.mode", "'exhaustive'"),
+    ({"plan": {"seconds": 0}}, "plan.seconds", "greater than 0"),
+    ({"plan": {"mode": "manual"}}, "plan.manual", "every call"),
+    ({"plan": {"profile": "/nonexistent/profile.json"}}, "plan.profile", "profile JSON"),
+    ({"trainer": {"wandb": True}}, "trainer", "algorithm, models, batch, cluster, plan, run, data"),
+])
+def test_schema_errors_name_field_value_and_allowed(change: dict[str, Any], field: str, allowed_part: str) -> None:
+    error = expect_error(tiny_raw(**change), field)
+    assert allowed_part in error.allowed
+    assert "allowed:" in str(error)
+
+
+def test_missing_models_section_is_named() -> None:
+    raw = tiny_raw()
+    del raw["models"]
+    assert "required" in str(expect_error(raw, "models"))
+
+
+def test_unknown_field_is_reported_before_what_it_leaves_missing() -> None:
+    plan = manual_section()
+    plan["manual"]["actor_gen"] = {"mesh": "n0", "layuot": "dp4"}
+    error = expect_error(tiny_raw(plan=plan), "plan.manual.actor_gen.layuot")
+    assert "mesh, layout" in error.allowed
+
+
+def test_cluster_too_small_for_weights_and_optimizer() -> None:
+    raw = tiny_raw(models={"actor": {"preset": "llama-70b"}, "critic": {"preset": "llama-7b"}},
+                   cluster={"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80g"})
+    error = expect_error(raw, "cluster")
+    assert "1x8 h100-80g" in str(error) and "GiB" in error.allowed
+
+
+def test_sequence_longer_than_model_positions() -> None:
+    long_batch = {"prompts": 8, "prompt_len": 400, "gen_len": 200, "ppo_minibatches": 2}
+    expect_error(tiny_raw(batch=long_batch), "batch.gen_len")
+
+
+def test_model_from_hf_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["tiny"].to_hf_config()))
+    models = {"actor": {"path": str(tmp_path)}, "critic": {"preset": "tiny-critic"}}
+    problem = build_problem(validate_config(tiny_raw(models=models)))
+    assert problem.models["actor"].spec.hidden_size == MODEL_PRESETS["tiny"].hidden_size
+    expect_error(tiny_raw(models={"actor": {"path": str(tmp_path / "missing")}}), "models.actor.path")
+
+
+def test_profile_overrides_hardware(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"peak_flops": 1.5e10, "hbm_bw": 5e9}))
+    problem = build_problem(validate_config(tiny_raw(plan={"profile": str(profile)})))
+    assert problem.cluster.hardware.peak_flops == 1.5e10 and problem.cluster.hardware.hbm_bw == 5e9
+
+
+def test_manual_plan_in_graph_order() -> None:
+    cfg = validate_config(tiny_raw(plan=manual_section(actor_train={"mesh": "n0:g0-1", "layout": "tp2"})))
+    plan = manual_plan(cfg, build_problem(cfg))
+    assert plan is not None
+    assert [name for name, _ in plan.placements] == list(TINY_CALLS)
+    assert plan["actor_gen"].layout == Layout(2, 2, 1) and plan["actor_gen"].mesh == Mesh(0, 4, 4)
+    assert plan["actor_train"].layout == Layout(1, 2, 1) and plan["actor_train"].mesh == Mesh(0, 2, 4)
+    assert manual_plan(validate_config(tiny_raw()), build_problem(validate_config(tiny_raw()))) is None
+
+
+@pytest.mark.parametrize("changed, field, text", [
+    ({"actor_gen": {"mesh": "n0", "layout": "dp4tp3"}}, "plan.manual.actor_gen.layout", "tp=3"),
+    ({"actor_gen": {"mesh": "n0", "layout": "tp2x"}}, "plan.manual.actor_gen.layout", "dp2tp2pp1"),
+    ({"actor_gen": {"mesh": "n1", "layout": "dp4"}}, "plan.manual.actor_gen.mesh", "outside the cluster"),
+    ({"actor_gen": {"mesh": "n0:g1-2", "layout": "dp2"}}, "plan.manual.actor_gen.mesh", "legal mesh"),
+    ({"actor_gen": {"mesh": "n0:g0-1", "layout": "dp4"}}, "plan.manual.actor_gen.layout", "2 GPUs"),
+    ({"critic_train": {"mesh": "n0", "layout": "dp1pp4tp1"}}, "plan.manual.critic_train.layout", "n_layers=2"),
+    ({"warmup": {"mesh": "n0", "layout": "dp4"}}, "plan.manual.warmup", "actor_gen"),
+])
+def test_manual_plan_errors(changed: dict[str, dict[str, str]], field: str, text: str) -> None:
+    error = expect_error(tiny_raw(plan=manual_section(**changed)), field)
+    assert text in str(error)
+
+
+def test_manual_plan_must_cover_every_call() -> None:
+    plan = manual_section()
+    del plan["manual"]["critic_train"]
+    assert "critic_train" in expect_error(tiny_raw(plan=plan), "plan.manual").allowed
+
+
+def test_config_is_frozen_and_error_is_value_error() -> None:
+    cfg = validate_config(tiny_raw())
+    assert isinstance(cfg, ExperimentConfig)
+    with pytest.raises(ValueError):
+        cfg.batch.prompts = 3  # type: ignore[misc]
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("text, problem", [("a: [1,\n", "line 2"), ("- 1\n- 2\n", "holds a list")])
+def test_unreadable_yaml_names_the_file(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == "config" and problem in str(info.value) and str(path) in str(info.value)
