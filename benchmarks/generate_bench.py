@@ -33,7 +33,7 @@ from actors.engine.model import Transformer
 from actors.engine.parallelize import build_model_shard
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port
 from actors.generation.decoding import GenerationConfig
-from actors.generation.generate import generate
+from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
 from planning.models import ModelSpec, model_preset

@@ -18,7 +18,6 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from tests.ray_fixtures import RAY_TEST_GPUS, TESTS_DIR, ray_session  # noqa: F401  (ray_session is a fixture)
 
 from cluster.collective import (
     init_world,
@@ -43,6 +42,7 @@ from cluster.resources import (
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.plan import ExecutionPlan, Placement
+from tests.ray_fixtures import RAY_TEST_GPUS, TESTS_DIR, ray_session  # noqa: F401  (ray_session is a fixture)
 
 GPUS = RAY_TEST_GPUS
 # The plan the group tests use: a dp2tp2 call on all 4 GPUs, a tp2 call on GPUs 0-1 and a dp2
@@ -234,8 +234,8 @@ def test_real_gpus_nccl_world() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in search_path if p)}
     env.pop("RAY_ADDRESS", None)
     child = subprocess.run(
-        [sys.executable, "-c", "from test_cluster_ray import real_gpu_smoke; real_gpu_smoke()"],
-        cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=540,
+        [sys.executable, "-c", "from tests.cluster.test_cluster_ray import real_gpu_smoke; real_gpu_smoke()"],
+        cwd=PACKAGES_ROOT, env=env, capture_output=True, text=True, timeout=540,
     )
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-8000:]
     assert "real GPU smoke ok" in child.stdout

@@ -14,7 +14,7 @@ import transformers
 from actors.engine.model import Transformer
 from actors.engine.packing import pack_sequences
 from actors.generation.decoding import GenerationConfig, GenerationOutput
-from actors.generation.generate import generate
+from actors.generation.loop import generate
 from actors.generation.sampling import (
     SamplingParams,
     allowed_tokens,
@@ -275,7 +275,7 @@ def save_tiny_checkpoint(root: Any, family: str = "Llama") -> Any:
 
 
 def run_cli(argv: list[str]) -> int:
-    from app.__main__ import main
+    from app.cli import main
 
     return main(argv)
 

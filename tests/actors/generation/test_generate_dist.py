@@ -15,7 +15,7 @@ import transformers
 
 from actors.engine.model import Transformer
 from actors.generation.decoding import GenerationConfig, GenerationOutput
-from actors.generation.generate import generate
+from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
 from planning.models import ModelSpec
@@ -95,7 +95,7 @@ def train_side_logprobs(model: Transformer, out: GenerationOutput, tp_group: Any
     mask from kept counts (actors.generation.sampling.allowed_tokens), actors.engine.logprobs."""
     from actors.engine.logprobs import vocab_parallel_logprobs
     from actors.generation.sampling import allowed_tokens
-    from tests.test_generate import response_rows
+    from tests.actors.generation.test_generate import response_rows
 
     rows = response_rows(out)
     with torch.no_grad():
@@ -159,8 +159,8 @@ def test_generation_under_tp2_and_pp2_matches_transformers_and_serial(tmp_path: 
 
 @pytest.mark.dist
 def test_cli_generate_with_tp2_pp2_dp2_layouts(tmp_path: Path) -> None:
-    from app.__main__ import main
-    from tests.test_generate import save_tiny_checkpoint
+    from app.cli import main
+    from tests.actors.generation.test_generate import save_tiny_checkpoint
 
     path = save_tiny_checkpoint(tmp_path)
     data = tmp_path / "prompts.jsonl"

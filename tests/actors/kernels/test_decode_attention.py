@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from actors.engine.model import Transformer  # noqa: E402
 from actors.generation.decoding import GenerationConfig
-from actors.generation.generate import generate  # noqa: E402
 from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel  # noqa: E402
+from actors.generation.loop import generate  # noqa: E402
 from actors.generation.sampling import SamplingParams  # noqa: E402
 from actors.kernels.decode_attention import gqa_decode_attention, gqa_decode_attention_reference  # noqa: E402
 from actors.kernels.switch import triton_runs  # noqa: E402

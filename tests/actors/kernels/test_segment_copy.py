@@ -27,7 +27,7 @@ from actors.realloc.program import compile_rank_program
 from actors.realloc.pull import PeerSources, PullSession, pull_copies, pull_group
 from actors.realloc.schedule import build_schedule, source_offsets
 from planning.realloc_plan import plan_reallocation
-from tests.test_realloc_program import PAIRS, SPEC, _full, _p, _shards
+from tests.actors.realloc.test_program import PAIRS, SPEC, _full, _p, _shards
 
 needs_triton = pytest.mark.skipif(not triton_runs("cpu"), reason="Triton's interpreter is not available")
 

@@ -16,7 +16,7 @@ from actors.realloc.executor import ReallocGroups, broadcast_groups, execute_rea
 from actors.realloc.pull import pull_group
 from planning.realloc_plan import plan_reallocation
 from tests.dist_harness import run_distributed
-from tests.test_realloc_program import PAIRS, SPEC, _full, _p, _shards
+from tests.actors.realloc.test_program import PAIRS, SPEC, _full, _p, _shards
 
 PATHS = {"pull": {"pull": True}, "nccl+kernel": {"pull": False, "copy_kernels": True},
          "nccl+torch": {"pull": False, "copy_kernels": False}}

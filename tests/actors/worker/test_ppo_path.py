@@ -9,7 +9,7 @@ greedy baseline. The model-side numbers (new logprobs, values, entropy) come fro
 full-vocabulary forward of each sequence alone, not from the engine under test.
 
 The train ops run serially in-process on a one-GPU layout (every group None), as
-tests/test_worker_units.py does; lr=0 keeps the weights fixed, so every minibatch of a call sees
+tests/actors/worker/test_worker_units.py does; lr=0 keeps the weights fixed, so every minibatch of a call sees
 the same model and its metrics can be predicted exactly.
 """
 

@@ -31,7 +31,7 @@ from actors.worker.profiler import (
     measure_collectives,
     tp_fwd_bwd_seconds,
 )
-from app.__main__ import main
+from app.cli import main
 from app.cli.profile import default_preset, format_table
 from app.config.experiment import load_config
 from app.config.problem import build_problem, manual_plan

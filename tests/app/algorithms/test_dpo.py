@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.dist_harness import run_distributed
-from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 from actors.engine.model_engine import ModelEngine, SequenceBatch
 from actors.engine.optimizer import AdamWConfig
@@ -35,6 +33,8 @@ from app.data.toy_task import CharTokenizer, toy_target
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement
+from tests.dist_harness import run_distributed
+from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 DPO_TINY = Path(__file__).resolve().parents[3] / "examples" / "dpo-tiny.yaml"
 SPEC = ModelSpec("dpo-test", "llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=2,
@@ -126,7 +126,7 @@ def test_bad_preference_data_exits_2_naming_file_and_line(capsys: pytest.Capture
                                                           tmp_path: Path) -> None:
     import ray
 
-    from app.__main__ import main
+    from app.cli import main
 
     ray_was_up = ray.is_initialized()  # another test's shared instance may already run
     data = tmp_path / "pairs.jsonl"

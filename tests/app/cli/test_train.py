@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from app.__main__ import main
+from app.cli import main
 from app.cli.train import DEFAULT_CONFIG
 
 pytestmark = pytest.mark.unit

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 from actors.worker.model_worker import CallSpec, ModelWorker
 from app.cli.train import DEFAULT_CONFIG
@@ -33,6 +32,7 @@ from app.reporting.timeline import TimelineRecord, read_records, span
 from app.reporting.tracking import read_metrics
 from app.run.checkpoint import latest_checkpoint
 from app.run.driver import Driver, DriverError
+from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -202,7 +202,7 @@ def test_score_on_ray_matches_transformers(ray_session: None, tmp_path: Path) ->
     import torch
     import transformers
 
-    from app.__main__ import main
+    from app.cli import main
 
     model_dir = tiny_hf_model(tmp_path / "model")
     texts = ["w1 w2 w3 w4 w5", "w7", "w9 w8 w7 w6 w5 w4 w3 w2 w1", "w10 w11 w12"]
@@ -227,7 +227,7 @@ def test_score_on_ray_matches_transformers(ray_session: None, tmp_path: Path) ->
 
 
 def test_generate_on_ray_matches_the_local_path_greedy(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    from app.__main__ import main
+    from app.cli import main
 
     model_dir = tiny_hf_model(tmp_path / "model")
     data = tmp_path / "prompts.jsonl"
@@ -277,7 +277,7 @@ def test_a_run_starts_from_a_checkpoints_weights(ray_session: None, tmp_path: Pa
 
 
 def test_train_command_in_process(ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
-    from app.__main__ import main
+    from app.cli import main
 
     run_dir = tmp_path / "run"
     # A learned reward model (random here, the critic's shape) instead of the rule-based reward.
