@@ -5,14 +5,14 @@ May import actors.engine and actors.kernels. In dependency order:
   kv_cache   the head-major KV cache decode reads once per step, and the fused [q; k; v] weights
   decoding   what to generate, the recorded output, the memory check, the cached decode step
   pipelined  pipeline-parallel generation: micro-batches circulate through the stages
-  generate   `generate`: the serial loop, or the pipelined one when the layout has pp > 1
+  loop       `generate`: the serial loop, or the pipelined one when the layout has pp > 1
 """
 
 from __future__ import annotations
 
 from actors.generation.sampling import SamplingParams
 from actors.generation.decoding import GenerationConfig
-from actors.generation.generate import generate
+from actors.generation.loop import generate
 
 __all__ = [
     # sampling.py

@@ -1,7 +1,7 @@
 """The pieces a decode loop is built from: what to generate, the recorded output, the memory
 check, the cached decode step (CUDA graph / torch.compile) and the prefilled cache.
 
-`actors.generation.generate` runs them as one serial loop and `actors.generation.pipelined` as
+`actors.generation.loop` runs them as one serial loop and `actors.generation.pipelined` as
 micro-batches circulating through pipeline stages; both import this module, neither imports the
 other's loop (the generation package's docstring has the order).
 """

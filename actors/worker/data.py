@@ -168,7 +168,7 @@ def import_object(spec: str, what: str) -> Any:
 def load_tokenizer(spec: str | None) -> Any | None:
     """A tokenizer with `decode(ids, skip_special_tokens=True)`, or None when spec is None.
 
-    spec: 'module:Class' (instantiated without arguments, e.g. 'app.toy_task:CharTokenizer') or
+    spec: 'module:Class' (instantiated without arguments, e.g. 'app.data.toy_task:CharTokenizer') or
     an HF model directory (transformers' AutoTokenizer).
     """
     if spec is None:

@@ -1,6 +1,6 @@
 """Microbenchmarks of this machine (the fit of the cost model's efficiencies: actors.worker.profile_fit).
 
-`python -m app profile` (app/cli_profile.py) drives this module and writes the JSON:
+`python -m app profile` (app.cli.profile) drives this module and writes the JSON:
 
     settings = ProfileSettings.choose("cuda", cut_model(model_preset("llama3.2-1b"), 2), quick=False)
     timing = measure_engine(settings)                 # engine fwd+bwd, optimizer, decode seconds
@@ -20,7 +20,7 @@ Each measurement is small and bounded (sized for about a minute on one H200; sec
   same shapes (planning.cost) -> efficiencies `gemm`, `optimizer` and `decode`: the factor in
   (0, 1] that makes the prediction on the measured peaks equal the measurement.
 
-The JSON (app/cli_profile.py) holds the measured HardwareSpec fields at top level (what
+The JSON (app.cli.profile) holds the measured HardwareSpec fields at top level (what
 `HardwareSpec.with_profile` reads), the factors under "efficiency" (`OpEfficiency.from_dict`),
 and a "measurements" block: raw numbers, predicted vs measured seconds, machine and date.
 """
