@@ -7,7 +7,10 @@ named `worker-n{node}-g{local}`, which is what the Ray dashboard shows. The glob
 worker equals its global GPU index, so a mesh's GPUs are the workers with those ranks.
 
 The worker class is any plain Python class; `ray.remote` is applied here. On real GPUs Ray sets
-CUDA_VISIBLE_DEVICES per actor, so a worker always computes on `cuda:0`.
+CUDA_VISIBLE_DEVICES per actor, so a worker always computes on `cuda:0`. Each actor runs its
+methods one at a time on one thread, plus a second concurrency group, `MONITOR_GROUP`, of one
+thread: a method called with `.options(concurrency_group=MONITOR_GROUP)` (the driver's
+`progress` probe of a stalled call) answers while the worker is busy.
 
 `WorkerGroup` submits a method to a subset of ranks and returns the ObjectRefs; `get` waits for
 them and, when a worker raises, raises `WorkerCallError` naming the worker, its rank and method.
@@ -28,6 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.resources import gpu_nodes
 from planning.layout import ClusterSpec
+
+MONITOR_GROUP = "monitor"
 
 # Env vars every worker gets: NVLink SHARP / multicast stays off (the lent H200 hosts do not
 # support it, and NCCL, torch symmetric memory and NVSHMEM would otherwise try it and fail).
@@ -204,7 +209,7 @@ def create_workers(
     _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, env_vars)
     groups = reserve_nodes(cluster_spec, cpus_per_worker, name_prefix, ready_timeout_s)
     env = {**DEFAULT_WORKER_ENV_VARS, **(env_vars or {})}
-    remote_cls = ray.remote(cls)
+    remote_cls = ray.remote(concurrency_groups={MONITOR_GROUP: 1})(cls)
     actors, slots = [], []
     for node, group in enumerate(groups):
         for local in range(cluster_spec.gpus_per_node):

@@ -18,7 +18,13 @@ realloc or worker. In dependency order:
 
 from __future__ import annotations
 
-from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world
+from actors.engine.process_groups import (
+    ParallelGroups,
+    build_parallel_groups,
+    free_port,
+    init_local_world,
+    world_timeout,
+)
 from actors.engine.packing import PackedBatch, pack_sequences
 from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
 from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
@@ -28,7 +34,7 @@ from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_
 
 __all__ = [
     # process_groups.py
-    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world",
+    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world", "world_timeout",
     # packing.py
     "PackedBatch", "pack_sequences",
     # attention.py

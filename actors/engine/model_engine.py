@@ -22,6 +22,7 @@ global count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -212,7 +213,8 @@ class ModelEngine:
         """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr."""
         self.optimizer.zero_grad()
         metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values)
-        metrics.update(self.optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0))
+        finite = math.isfinite(metrics["loss"])  # the same on every rank: reduced over the mesh
+        metrics.update(self.optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0, skip=not finite))
         return metrics
 
     # ---- inference ---------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ from actors.worker.data import (
     make_shard,
     merge_shards,
     pack_rows,
-    reward_score,
 )
+from actors.worker.guards import score_rows
 from planning.plan import Placement
 
 KINDS = ("generate", "inference", "train")
@@ -253,7 +253,8 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
         texts[key] = [tokenizer.decode(t.tolist(), skip_special_tokens=True) for t in cols[ids_key]]
     answers = cols.get("answer", [None] * len(rows))
     name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-    scores = [reward_score(fn(q, r, a), str(name)) for q, r, a in zip(texts["prompt"], texts["response"], answers)]
+    scores = score_rows(fn, str(name), texts["prompt"], texts["response"], answers, rows.start, ctx.call.name,
+                        ctx.call.iteration, p)
     out_key = str(p.get("out_key", "rewards"))
     return _shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
 

@@ -70,6 +70,8 @@ from actors.worker.models import (
     shards_of,
     unbind_shards,
 )
+from actors.worker.progress import activity
+from actors.worker.state import load_rng_state, load_role_state, save_rng_state, save_role_state
 from actors.worker.train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -100,6 +102,7 @@ class ModelWorker:
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(device)
         self._groups = ReallocGroups()
+        self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}
         self._parallel: dict[Placement, ParallelGroups] = {}
         # Reallocation plans by (spec, critic, src, dst): a plan is a pure function of these, and the
@@ -134,15 +137,16 @@ class ModelWorker:
             torch.cuda.set_device(self.device)
             kwargs["device_id"] = self.device
         host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        self._timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
+                                world_size=self.world_size, timeout=self._timeout, **kwargs)
         # Point-to-point reallocation uses the world group: its communicator must exist everywhere.
         dist.barrier()
 
     def ensure_groups(self, member_sets: list[tuple[int, ...]]) -> None:
         """Create every missing group (collective over the world: all ranks, the same list)."""
         sets = [tuple(sorted(set(int(r) for r in s))) for s in member_sets]
-        self._groups.ensure([s for s in sets if len(s) > 1])
+        self._groups.ensure([s for s in sets if len(s) > 1], timeout=self._timeout)
 
     def _lookup(self, members: list[int]) -> ProcessGroup | None:
         key = tuple(sorted(set(members)))
@@ -370,6 +374,38 @@ class ModelWorker:
         held = ", ".join(f"{p.mesh}/{p.layout}" for p in state.copies.placements) or "none"
         raise ValueError(f"call {call.name}: rank {self.rank} holds no copy of {call.role} under "
                          f"{placement.mesh}/{placement.layout} (held: {held}); reallocate it there first")
+
+    # ---- checkpoint state (actors.worker.state) ---------------------------------------------------------
+    def save_state(self, role: str, out_dir: str) -> dict[str, Any]:
+        """Write a trained role's shard (weights, fp32 master, AdamW moments, step count) from its
+        home copy; every rank of the home mesh calls it (dp rank 0 of each shard writes)."""
+        state = self._role(role)
+        home = home_of(state)
+        if not state.trainable or home is None:
+            raise ValueError(f"save_state({role}): rank {self.rank} holds no trained home copy of it")
+        return {"role": role, "rank": self.rank, **save_role_state(state.engines[home], out_dir)}
+
+    def load_state(self, role: str, state_dir: str, saved: Placement) -> dict[str, Any]:
+        """Overwrite a trained role's home shard (after `load_model`) with the state saved under
+        `saved`, resharded to this layout by the reallocation plan; home mesh ranks call it."""
+        state = self._role(role)
+        home = home_of(state)
+        if not state.trainable or home is None:
+            raise ValueError(f"load_state({role}): rank {self.rank} holds no trained home copy of it")
+        engine = state.engines[home]
+        return {"role": role, "rank": self.rank,
+                **load_role_state(engine, state.spec, state.critic, saved, home, self.rank, state_dir)}
+
+    def save_rng_state(self, out_dir: str) -> str:
+        return save_rng_state(out_dir, self.rank)
+
+    def load_rng_state(self, in_dir: str) -> bool:
+        return load_rng_state(in_dir, self.rank)
+
+    def progress(self) -> dict[str, Any]:
+        """What this worker's call thread is doing (answered from a second thread; see
+        actors.worker.progress): for the driver's report of a stalled call."""
+        return {"rank": self.rank, **activity(self)}
 
     # ---- export -------------------------------------------------------------------------------------
     def export(self, role: str, out_dir: str) -> dict[str, Any]:
