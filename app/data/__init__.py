@@ -11,6 +11,7 @@ from __future__ import annotations
 from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
 from app.data.datasets import (
     BatchIterator,
+    IteratorState,
     PreferenceExample,
     PreferenceRecord,
     PromptExample,
@@ -26,7 +27,7 @@ __all__ = [
     # toy_task.py
     "TOY_RESPONSE_LEN", "generate_toy_prompts", "toy_target",
     # datasets.py
-    "BatchIterator", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
+    "BatchIterator", "IteratorState", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
     "load_preference_records", "load_tokenizer", "read_text_column", "tokenize_preferences",
     # rewards.py
     "RewardLoadError", "load_reward_fn",

@@ -4,23 +4,35 @@ and the one-placement jobs behind `generate` and `score`.
 Imports everything below it (actors, cluster, planning, app.config/data/reporting/algorithms);
 imports torch and ray, so the CLI imports it inside the commands that run. In dependency order:
   schedule    what the driver submits for one iteration and which shards each consumer gets
-  checkpoint  HF exports of the trained models under `<run_dir>/checkpoints/iter_N/`
+  checkpoint  atomic checkpoints under `<run_dir>/checkpoints/iter_N/`: writing, listing, pruning
+  resume      the run-directory rules, the driver's state in a checkpoint, restoring a run
+  recovery    which failures a restart gets past, stall reports naming the rank, restart logs
+  collect     waiting for submitted operations: results, or the failure to report
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
-  driver      `Driver`: runs the plan's dataflow graph iteration after iteration
+  driver      `Driver`: runs the plan's dataflow graph iteration after iteration, recovering
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """
 
 from __future__ import annotations
 
+from app.run.checkpoint import latest_checkpoint
+from app.run.resume import check_run_dir
+from app.run.recovery import DriverError
 from app.run.runtime import preflight
-from app.run.driver import Driver, DriverError
+from app.run.driver import Driver
 from app.run.jobs import LayoutJob, column, generate_on_ray
 
 __all__ = [
+    # checkpoint.py
+    "latest_checkpoint",
+    # resume.py
+    "check_run_dir",
+    # recovery.py
+    "DriverError",
     # runtime.py
     "preflight",
     # driver.py
-    "Driver", "DriverError",
+    "Driver",
     # jobs.py
     "LayoutJob", "column", "generate_on_ray",
 ]

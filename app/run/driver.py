@@ -12,28 +12,34 @@ Tensors never pass through the driver: each call returns (metadata, data) as two
 driver hands the data ObjectRefs of producers' data owners to consumers as top-level arguments
 (`app.run.schedule.shards_needed`) and only `ray.get`s the metadata (timings, stats, rewards).
 
-Failures end the run with a `DriverError` naming the operation, the iteration and the worker:
-a worker that raised or died as soon as its result arrives, and a stall (no operation finishing
-for `run.call_timeout_s`; collectives themselves time out after `run.collective_timeout_s`).
-metrics.jsonl, timeline.jsonl and complete checkpoints written before stay valid.
+Checkpoints (app.run.checkpoint) are written atomically after the last train call of an
+iteration: every trained role's HF export and state shards, every worker's random generators,
+and, once all returned, the driver's own state (app.run.resume.RunState). A run starts fresh or
+from a checkpoint (`run.resume`), the same way after a failure: a worker that died, a collective
+that broke with it, or a call that stalled (no operation finishing for `run.call_timeout_s`,
+the rank that stopped named) makes the driver restart every worker and resume from the latest
+complete checkpoint, up to `run.max_restarts` times (app.run.recovery). Any other failure, and
+the one past the limit, ends the run with a `DriverError` naming the operation, the iteration,
+the worker and the cause on one line. metrics.jsonl and timeline.jsonl are rewound to the
+checkpoint, so they never hold a duplicate or a missing row.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 
 from actors.rl import make_kl_controller
 from actors.worker import CallSpec
 from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
-from app.data import BatchIterator, PromptExample
+from app.data import BatchIterator, IteratorState, PromptExample
 from app.reporting import (
     TimelineRecord,
     Tracker,
@@ -49,7 +55,22 @@ from app.reporting import (
     timing_table,
     write_gantt,
 )
-from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
+from app.run.checkpoint import RNG_DIR, STATE_DIR, begin, commit, is_due, latest_checkpoint, prune
+from app.run.collect import SubmittedOp, wait_ops
+from app.run.recovery import DriverError, WorkerFailure, guard_params, log_restart, one_line
+from app.run.resume import (
+    RunState,
+    check_fingerprint,
+    check_run_dir,
+    clear_incomplete,
+    driver_rng_state,
+    fingerprint,
+    placement_json,
+    read_run_state,
+    restore_driver_rng,
+    restore_workers,
+    rewind_logs,
+)
 from app.run.runtime import (
     TrainInputs,
     connect_cluster,
@@ -63,30 +84,10 @@ from app.run.runtime import (
     wait_plan,
 )
 from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
-from cluster.placement import WorkerGroup
+from cluster.placement import WorkerCallError, WorkerGroup
 from planning.simulate import simulate
 
 LOOKAHEAD = 1  # iterations submitted beyond the one being waited on
-FAILURE_SETTLE_S = 5.0
-
-
-class DriverError(RuntimeError):
-    """An operation failed or stalled; the message names it, its iteration and the worker(s)."""
-
-
-@dataclass(frozen=True, eq=False)  # identity equality: ops are dict keys while collected
-class SubmittedOp:
-    """One operation as submitted: meta refs in `ranks` order, data refs of the data owners."""
-
-    iteration: int
-    name: str
-    kind: str  # call | realloc | release | export
-    ranks: tuple[int, ...]
-    meta_refs: tuple[ray.ObjectRef, ...]
-    data_refs: dict[int, ray.ObjectRef] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        return f"{self.kind} '{self.name}' of iteration {self.iteration}"
 
 
 @dataclass
@@ -96,7 +97,8 @@ class PendingIteration:
     iteration: int
     ops: list[SubmittedOp]
     prompt_tokens: int
-    checkpoint: Path | None
+    checkpoint: Path | None  # the staging directory of the checkpoint after this iteration
+    data_state: IteratorState  # the data iterator after this iteration's batch
 
 
 class Driver:
@@ -106,6 +108,7 @@ class Driver:
                  inputs: TrainInputs | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.resume_from = check_run_dir(self.run_dir, cfg.run.resume)  # ConfigError before Ray starts
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.inputs = inputs if inputs is not None else preflight(cfg)
         self.problem = self.inputs.problem
@@ -118,8 +121,13 @@ class Driver:
         self._previous_end: float | None = None
         self.records: list[TimelineRecord] = []
         self.tracker: Tracker | None = None
+        self.restarts = 0
+        self._kl_used: dict[int, float] = {}  # the KL coefficient each submitted iteration got
         try:
             self._setup(worker_cls)
+        except (WorkerCallError, TimeoutError) as exc:  # a worker failed while starting: one line
+            self.close(write_reports=False)
+            raise DriverError(f"setting up the run failed: {one_line(str(exc))}") from None
         except BaseException:
             self.close(write_reports=False)
             raise
@@ -130,25 +138,60 @@ class Driver:
             from actors.worker import ModelWorker
 
             worker_cls = ModelWorker
+        self._worker_cls = worker_cls
         cfg = self.cfg
-        info = connect_cluster(cfg)
+        self._info = connect_cluster(cfg)
         planner, plan_ref = start_plan_search(self.inputs)  # the search runs while the workers start
-        self.workers = start_workers(info, self.inputs, worker_cls)
-        init_world(self.workers, info.backend, cfg.run.collective_timeout_s)
+        self._start_workers()
         self.search = wait_plan(cfg, planner, plan_ref)
         self.plan = self.search.plan
         self._write_plan()
+        self.model_roles = tuple(self.inputs.models)
+        self._prepare_workers()
+        self._start_run_state(self.resume_from)
+
+    def _start_workers(self) -> None:
+        """One worker per GPU (placement groups reserved) in one torch.distributed world."""
+        self.workers = start_workers(self._info, self.inputs, self._worker_cls)
+        init_world(self.workers, self._info.backend, self.cfg.run.collective_timeout_s)
+
+    def _prepare_workers(self) -> None:
+        """The plan's process groups and every model on its home placement."""
+        assert self.workers is not None
+        cfg = self.cfg
         setup_groups(self.workers, plan_groups(self.inputs, self.plan), cfg.run.collective_timeout_s)
         self.load_meta = load_models(self.workers, self.inputs, self.plan, cfg.run.call_timeout_s)
-        self.model_roles = tuple(self.inputs.models)
+
+    def _start_run_state(self, checkpoint: Path | None) -> None:
+        """Driver state for a fresh run, or the state of `checkpoint` (driver and workers); the
+        logs rewound to it; a tracker appending to them."""
+        cfg = self.cfg
+        for message in clear_incomplete(self.run_dir):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
         self._location = home_placements(self.graph, self.plan, self.model_roles)
         self._batches: BatchIterator[PromptExample] = BatchIterator(
             self.inputs.examples, cfg.batch.prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         p = cfg.ppo
         self.kl = make_kl_controller(p.kl_controller, p.kl_coef, p.kl_target, p.kl_horizon)
+        self._next_iteration, self._kl_used, wandb_id = 0, {}, None
+        if checkpoint is not None:
+            state = read_run_state(checkpoint)
+            check_fingerprint(state, cfg, checkpoint)
+            assert self.workers is not None
+            self._location = restore_workers(self.workers, self.graph, self.plan, self.model_roles, checkpoint,
+                                             state, cfg.run.call_timeout_s)
+            self._next_iteration = state.iterations_done
+            self._batches.state = IteratorState(state.data_epoch, state.data_position)
+            self.kl.value = state.kl_value
+            self._kl_used = dict(state.kl_submitted)
+            restore_driver_rng(state.rng)
+            wandb_id = state.wandb_id
+        rewind_logs(self.run_dir, self._next_iteration)
+        self.records = [r for r in self.records if r.iteration < self._next_iteration]
+        self._previous_end = None
         self.tracker = Tracker(self.run_dir, project=cfg.tracking.project, run_name=self.run_dir.name,
                                config=cfg.model_dump(mode="json"), total_iterations=self.total_iterations,
-                               wandb_enabled=cfg.tracking.wandb, console=cfg.tracking.console)
+                               wandb_enabled=cfg.tracking.wandb, console=cfg.tracking.console, wandb_id=wandb_id)
 
     def _write_plan(self) -> None:
         sim = simulate(self.problem, self.plan)
@@ -166,24 +209,26 @@ class Driver:
         batch = self._batches.next_batch()
         # DPO reads preference pairs (rows 2i chosen, 2i + 1 rejected); the others read prompts.
         prompts_ref = ray.put(preference_shard(batch) if self.graph.algorithm == "dpo" else prompt_shard(batch))
+        staging: Path | None = None
         ops, self._location = iteration_ops(self.graph, self.plan, self.model_roles, self._location)
         outputs: dict[str, SubmittedOp] = {}
         submitted: list[SubmittedOp] = []
+        kl_coef = self._kl_used.setdefault(i, self.kl.value)  # restored when resuming
         for op in ops:
             if isinstance(op, CallOp):
-                params = call_params(self.inputs.settings, op.mfc, self.kl.value)
+                params = {**call_params(self.inputs.settings, op.mfc, kl_coef), **guard_params(self.cfg)}
                 sub = self._submit_call(op, i, params, prompts_ref, outputs)
                 outputs[op.mfc.name] = sub
             else:
                 sub = self._submit_weights_op(op, i)
             submitted.append(sub)
             if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == self._last_train():
-                submitted.extend(self._maybe_checkpoint(i))
-        target = checkpoint_dir(self.run_dir, i + 1) if self._checkpoint_due(i) else None
+                staging, subs = self._maybe_checkpoint(i)
+                submitted.extend(subs)
         # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
         samples = self._n_sequences() // len(batch)
         prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
-        self._pending.append(PendingIteration(i, submitted, prompt_tokens, target))
+        self._pending.append(PendingIteration(i, submitted, prompt_tokens, staging, self._batches.state))
         self._next_iteration += 1
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
@@ -233,18 +278,26 @@ class Driver:
         c = self.cfg.checkpoint
         return is_due(i + 1, c.every, self.total_iterations, c.at_end)
 
-    def _maybe_checkpoint(self, i: int) -> list[SubmittedOp]:
-        """Exports of every trained role after iteration i's training, when one is due."""
+    def _maybe_checkpoint(self, i: int) -> tuple[Path | None, list[SubmittedOp]]:
+        """When one is due after iteration i's training: its staging directory and the writes of
+        every trained role (HF export, state shards) and of every worker's random generators."""
         if not self._checkpoint_due(i):
-            return []
+            return None, []
         assert self.workers is not None
-        target = checkpoint_dir(self.run_dir, i + 1)
+        staging = begin(self.run_dir, i + 1)
         subs = []
         for role in self.graph.trained_roles:
             ranks = tuple(self._location[role].mesh.gpus)
-            refs = tuple(self.workers.actor(r).export.remote(role, str(target / role)) for r in ranks)
-            subs.append(SubmittedOp(i, role, "export", ranks, refs))
-        return subs
+            actors = [self.workers.actor(r) for r in ranks]
+            subs.append(SubmittedOp(i, role, "export", ranks,
+                                    tuple(a.export.remote(role, str(staging / role)) for a in actors)))
+            subs.append(SubmittedOp(i, role, "save", ranks,
+                                    tuple(a.save_state.remote(role, str(staging / STATE_DIR / role)) for a in actors)))
+        ranks = tuple(range(self.workers.world_size))
+        rng_dir = str(staging / STATE_DIR / RNG_DIR)
+        subs.append(SubmittedOp(i, "rng", "save", ranks,
+                                tuple(self.workers.actor(r).save_rng_state.remote(rng_dir) for r in ranks)))
+        return staging, subs
 
     # ---- collection ------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -265,13 +318,43 @@ class Driver:
             self.total_iterations = n
             if self.tracker is not None:
                 self.tracker.total_iterations = n
-        history = []
+        history: list[dict[str, float]] = []
         try:
             while self._next_iteration < self.total_iterations or self._pending:
-                history.append(self.step())
+                try:
+                    history.append(self.step())
+                except WorkerFailure as failure:
+                    done = self._recover(failure)
+                    history = [row for row in history if row["iteration"] < done]
         finally:
             self.close()
         return history
+
+    def _recover(self, failure: WorkerFailure) -> int:
+        """Restart every worker and resume from the latest complete checkpoint (see the module
+        docstring); returns the iterations that checkpoint holds. DriverError when `failure`
+        is not recoverable or run.max_restarts restarts were used."""
+        limit = self.cfg.run.max_restarts
+        if not failure.recoverable:
+            raise DriverError(str(failure)) from None
+        if self.restarts >= limit:
+            raise DriverError(f"{failure}; gave up after {self.restarts} restart(s) (run.max_restarts={limit})") from None
+        self.restarts += 1
+        checkpoint = latest_checkpoint(self.run_dir)
+        log_restart(self.run_dir, self.restarts, limit, failure, checkpoint)
+        self._pending.clear()
+        if self.workers is not None:
+            self.workers.shutdown()  # kills the actors and removes their placement groups
+            self.workers = None
+        if self.tracker is not None:
+            self.tracker.close()
+        try:
+            self._start_workers()
+            self._prepare_workers()
+            self._start_run_state(checkpoint)
+        except (WorkerCallError, TimeoutError) as exc:
+            raise DriverError(f"restart {self.restarts} after '{failure}' failed: {one_line(str(exc))}") from None
+        return self._next_iteration
 
     def _collect(self, pending: PendingIteration) -> dict[str, float]:
         metas = self._wait(pending)
@@ -284,9 +367,6 @@ class Driver:
                 call_metas[sub.name] = [m for m in metas[sub] if isinstance(m, dict)]
             elif sub.kind == "realloc":
                 realloc_metas += metas[sub]
-        if pending.checkpoint is not None:
-            exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
@@ -299,53 +379,32 @@ class Driver:
             self.kl.update(metrics["actor/kl"], self._n_sequences())
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
+        if pending.checkpoint is not None:  # after the row is logged: a resume never skips it
+            self._commit_checkpoint(pending, metas)
         return {"iteration": float(pending.iteration), **metrics}
 
+    def _commit_checkpoint(self, pending: PendingIteration, metas: dict[SubmittedOp, list[Any]]) -> None:
+        """Make the checkpoint after `pending` complete: the driver's state beside what the
+        workers wrote, then the atomic rename; older checkpoints beyond checkpoint.keep go."""
+        assert pending.checkpoint is not None and self.tracker is not None
+        done = pending.iteration + 1
+        homes = home_placements(self.graph, self.plan, self.model_roles)
+        state = RunState(
+            iterations_done=done, data_epoch=pending.data_state.epoch, data_position=pending.data_state.position,
+            kl_value=self.kl.value, kl_submitted={i: v for i, v in self._kl_used.items() if i >= done},
+            homes={role: placement_json(homes[role]) for role in self.graph.trained_roles},
+            fingerprint=fingerprint(self.cfg), wandb_id=self.tracker.wandb_id, rng=driver_rng_state())
+        exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
+        commit(pending.checkpoint, done, list(self.graph.trained_roles), {"exports": exports,
+                                                                          "run_state": state.to_json()})
+        self._kl_used = {i: v for i, v in self._kl_used.items() if i >= done}
+        prune(self.run_dir, self.cfg.checkpoint.keep)
+
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:
-        """Every op's per-rank metadata; DriverError on a failure or a stall (see module doc)."""
+        """Every op's per-rank metadata; a WorkerFailure on a failure or a stall (module doc)."""
         assert self.workers is not None
-        where = {ref: (sub, rank) for sub in pending.ops for rank, ref in zip(sub.ranks, sub.meta_refs)}
-        results: dict[ray.ObjectRef, Any] = {}
-        remaining = list(where)
-        timeout = self.cfg.run.call_timeout_s
-        while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=1, timeout=timeout)
-            if not ready:
-                self._raise_stall(pending, remaining, where, timeout)
-            for ref in ready:
-                try:
-                    results[ref] = ray.get(ref)
-                except RayError as error:
-                    sub, rank = where[ref]
-                    sub = self._first_failed(rank, pending, sub)
-                    raise DriverError(f"{sub.describe()} failed on worker {self.workers.slots[rank].name} "
-                                      f"(rank {rank}): {_cause(error)}") from error
-        return {sub: [results[ref] for ref in sub.meta_refs] for sub in pending.ops}
-
-    def _first_failed(self, rank: int, pending: PendingIteration, reported: SubmittedOp) -> SubmittedOp:
-        """The op a failed worker was running: its first op, in submission order, without a
-        successful result. (A dead actor fails its queued tasks at once, in no set order, and
-        the failures reach the driver over a few moments: each op gets FAILURE_SETTLE_S.)"""
-        for sub in [*pending.ops, *(op for later in self._pending for op in later.ops)]:
-            if rank not in sub.ranks:
-                continue
-            ref = sub.meta_refs[sub.ranks.index(rank)]
-            ready, _ = ray.wait([ref], timeout=FAILURE_SETTLE_S)
-            if not ready:
-                return sub
-            try:
-                ray.get(ref, timeout=0)
-            except RayError:
-                return sub
-        return reported
-
-    def _raise_stall(self, pending: PendingIteration, remaining: list[ray.ObjectRef],
-                     where: dict[ray.ObjectRef, tuple[SubmittedOp, int]], timeout: float) -> None:
-        assert self.workers is not None
-        first = min((where[ref] for ref in remaining), key=lambda sr: pending.ops.index(sr[0]))
-        stuck = [self.workers.slots[rank].name for sub, rank in (where[r] for r in remaining) if sub is first[0]]
-        raise DriverError(f"{first[0].describe()} made no progress for {timeout:g} s (run.call_timeout_s) on "
-                          f"worker(s) {', '.join(stuck)}: a stalled collective or a hung worker")
+        later = [op for p in self._pending for op in p.ops]
+        return wait_ops(self.workers, pending.ops, later, self.cfg.run.call_timeout_s)
 
     # ---- end --------------------------------------------------------------------------------------
     def close(self, write_reports: bool = True) -> None:
@@ -377,13 +436,6 @@ def prompt_shard(batch: list[PromptExample]) -> dict[str, Any]:
         "prompt": [e.prompt for e in batch],
         "answer": [e.answer for e in batch],
     }
-
-
-def _cause(error: BaseException) -> str:
-    """The worker's original exception (type: message) inside a Ray error, on one line."""
-    cause = getattr(error, "cause", None)
-    text = f"{type(cause).__name__}: {cause}" if cause is not None else f"{type(error).__name__}: {error}"
-    return " ".join(text.split())[:2000]
 
 
 __all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "prompt_shard"]

@@ -1,0 +1,116 @@
+"""Waiting for the operations the driver submitted: their results, or the failure to report.
+
+`wait_ops` returns every op's per-rank metadata, or raises a `WorkerFailure`
+(app.run.recovery) as soon as one fails or the ops stall:
+
+* a failure: the errors that arrive within FAILURE_SETTLE_S are compared, and the one reported
+  is a dead worker's first, then an exception raised by code (fatal: a restart would not help),
+  then a broken collective (usually a peer of the worker that failed); it is named with the op
+  that worker was running (a dead actor fails its queued tasks in no set order);
+* a stall: no op finished for `timeout_s`; the ranks of the first stuck op are probed on their
+  monitor threads and the one that stopped (not waiting in a collective) is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from app.run.recovery import WorkerFailure, describe_error, is_recoverable, probe_workers, stall_message
+from cluster.placement import WorkerGroup
+
+FAILURE_SETTLE_S = 5.0
+
+
+@dataclass(frozen=True, eq=False)  # identity equality: ops are dict keys while collected
+class SubmittedOp:
+    """One operation as submitted: meta refs in `ranks` order, data refs of the data owners."""
+
+    iteration: int
+    name: str
+    kind: str  # call | realloc | release | export | save
+    ranks: tuple[int, ...]
+    meta_refs: tuple[ray.ObjectRef, ...]
+    data_refs: dict[int, ray.ObjectRef] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"{self.kind} '{self.name}' of iteration {self.iteration}"
+
+
+Where = dict[ray.ObjectRef, tuple[SubmittedOp, int]]
+
+
+def wait_ops(workers: WorkerGroup, ops: Sequence[SubmittedOp], later: Sequence[SubmittedOp],
+             timeout_s: float) -> dict[SubmittedOp, list[Any]]:
+    """Per op, its ranks' metadata in `ranks` order. `later`: ops submitted after these (a
+    failed worker may have been running one of them when it died)."""
+    where: Where = {ref: (sub, rank) for sub in ops for rank, ref in zip(sub.ranks, sub.meta_refs)}
+    results: dict[ray.ObjectRef, Any] = {}
+    remaining = list(where)
+    while remaining:
+        ready, remaining = ray.wait(remaining, num_returns=1, timeout=timeout_s)
+        if not ready:
+            raise stall_failure(workers, ops, remaining, where, timeout_s)
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref)
+            except RayError as error:
+                raise failure_of(workers, [*ops, *later], (ref, error), remaining, where) from error
+    return {sub: [results[ref] for ref in sub.meta_refs] for sub in ops}
+
+
+def failure_of(workers: WorkerGroup, ops: Sequence[SubmittedOp], first: tuple[ray.ObjectRef, RayError],
+               remaining: list[ray.ObjectRef], where: Where) -> WorkerFailure:
+    """The failure to report (see the module docstring)."""
+    failures = [first]
+    if remaining:
+        settled, _ = ray.wait(remaining, num_returns=len(remaining), timeout=FAILURE_SETTLE_S)
+        for ref in settled:
+            try:
+                ray.get(ref, timeout=0)
+            except RayError as error:
+                failures.append((ref, error))
+
+    def priority(item: tuple[ray.ObjectRef, RayError]) -> int:
+        error = item[1]
+        return 0 if isinstance(error, RayActorError) else 2 if is_recoverable(error) else 1
+
+    ref, error = min(failures, key=priority)
+    sub, rank = where[ref]
+    sub = first_unfinished(rank, ops, sub)
+    name = workers.slots[rank].name
+    return WorkerFailure(f"{sub.describe()} failed on worker {name} (rank {rank}): {describe_error(error)}",
+                         sub.describe(), name, is_recoverable(error))
+
+
+def first_unfinished(rank: int, ops: Sequence[SubmittedOp], reported: SubmittedOp) -> SubmittedOp:
+    """The op a failed worker was running: its first op, in submission order, without a
+    successful result (each op's result gets FAILURE_SETTLE_S to arrive)."""
+    for sub in ops:
+        if rank not in sub.ranks:
+            continue
+        ref = sub.meta_refs[sub.ranks.index(rank)]
+        ready, _ = ray.wait([ref], timeout=FAILURE_SETTLE_S)
+        if not ready:
+            return sub
+        try:
+            ray.get(ref, timeout=0)
+        except RayError:
+            return sub
+    return reported
+
+
+def stall_failure(workers: WorkerGroup, ops: Sequence[SubmittedOp], remaining: list[ray.ObjectRef], where: Where,
+                  timeout_s: float) -> WorkerFailure:
+    """A recoverable WorkerFailure naming the rank(s) of the first stuck op that stopped."""
+    first = min((where[ref] for ref in remaining), key=lambda sr: list(ops).index(sr[0]))[0]
+    stuck = [rank for sub, rank in (where[r] for r in remaining) if sub is first]
+    message, stopped = stall_message(first.describe(), timeout_s, probe_workers(workers, stuck))
+    return WorkerFailure(message, first.describe(), ", ".join(stopped), recoverable=True)
+
+
+__all__ = ["FAILURE_SETTLE_S", "SubmittedOp", "failure_of", "first_unfinished", "stall_failure", "wait_ops"]
