@@ -48,12 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv`, run the command, map bad input to exit status 2 with a one-line message."""
     parser = build_parser()
-    # parse_known_args + re-attaching lets overrides follow flags: `plan c.yaml --json a.b=1`.
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
+    try:  # a usage error prints its one line and exits 2 (SystemExit): returned, for in-process callers
+        # parse_known_args + re-attaching lets overrides follow flags: `plan c.yaml --json a.b=1`.
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else USAGE_ERROR
     try:
         return int(args.run(args))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
