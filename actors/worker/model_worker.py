@@ -375,26 +375,26 @@ class ModelWorker:
         raise ValueError(f"call {call.name}: rank {self.rank} holds no copy of {call.role} under "
                          f"{placement.mesh}/{placement.layout} (held: {held}); reallocate it there first")
 
-    # ---- checkpoint state (actors.worker.state) ---------------------------------------------------------
+    # ---- checkpoint state (actors.worker.state): home mesh ranks; rng: every rank ------------------
     def save_state(self, role: str, out_dir: str) -> dict[str, Any]:
-        """Write a trained role's shard (weights, fp32 master, AdamW moments, step count) from its
-        home copy; every rank of the home mesh calls it (dp rank 0 of each shard writes)."""
-        state = self._role(role)
-        home = home_of(state)
-        if not state.trainable or home is None:
-            raise ValueError(f"save_state({role}): rank {self.rank} holds no trained home copy of it")
+        """Write a trained role's home shard: weights, fp32 master, AdamW moments, step count."""
+        state, home = self._trained_home(role)
         return {"role": role, "rank": self.rank, **save_role_state(state.engines[home], out_dir)}
 
     def load_state(self, role: str, state_dir: str, saved: Placement) -> dict[str, Any]:
         """Overwrite a trained role's home shard (after `load_model`) with the state saved under
-        `saved`, resharded to this layout by the reallocation plan; home mesh ranks call it."""
-        state = self._role(role)
-        home = home_of(state)
-        if not state.trainable or home is None:
-            raise ValueError(f"load_state({role}): rank {self.rank} holds no trained home copy of it")
+        `saved`, resharded to this layout by the reallocation plan."""
+        state, home = self._trained_home(role)
         engine = state.engines[home]
         return {"role": role, "rank": self.rank,
                 **load_role_state(engine, state.spec, state.critic, saved, home, self.rank, state_dir)}
+
+    def _trained_home(self, role: str) -> tuple[RoleState, Placement]:
+        state = self._role(role)
+        home = home_of(state)
+        if not state.trainable or home is None:
+            raise ValueError(f"rank {self.rank} holds no trained home copy of {role!r}")
+        return state, home
 
     def save_rng_state(self, out_dir: str) -> str:
         return save_rng_state(out_dir, self.rank)
@@ -403,8 +403,7 @@ class ModelWorker:
         return load_rng_state(in_dir, self.rank)
 
     def progress(self) -> dict[str, Any]:
-        """What this worker's call thread is doing (answered from a second thread; see
-        actors.worker.progress): for the driver's report of a stalled call."""
+        """Where this worker's call thread is, answered from a second thread (for stall reports)."""
         return {"rank": self.rank, **activity(self)}
 
     # ---- export -------------------------------------------------------------------------------------

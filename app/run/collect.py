@@ -1,4 +1,4 @@
-"""Waiting for the operations the driver submitted: their results, or the failure to report.
+"""The operations the driver submitted: checkpoint writes, and waiting for results or the failure.
 
 `wait_ops` returns every op's per-rank metadata, or raises a `WorkerFailure`
 (app.run.recovery) as soon as one fails or the ops stall:
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from app.run.checkpoint import RNG_DIR, STATE_DIR
 from app.run.recovery import WorkerFailure, describe_error, is_recoverable, probe_workers, stall_message
 from cluster.placement import WorkerGroup
 
@@ -42,6 +44,26 @@ class SubmittedOp:
 
 
 Where = dict[ray.ObjectRef, tuple[SubmittedOp, int]]
+
+
+def submit_checkpoint(workers: WorkerGroup, iteration: int, staging: Path,
+                      homes: dict[str, tuple[int, ...]]) -> list[SubmittedOp]:
+    """The writes of a checkpoint after `iteration` into `staging`: per trained role (by the
+    ranks of its home mesh) its HF export and its state shards, then every worker's random
+    generators. Submitted after the iteration's last train call, so they see its result."""
+    subs = []
+    for role, ranks in homes.items():
+        actors = [workers.actor(r) for r in ranks]
+        subs.append(SubmittedOp(iteration, role, "export", ranks,
+                                tuple(a.export.remote(role, str(staging / role)) for a in actors)))
+        state_dir = str(staging / STATE_DIR / role)
+        subs.append(SubmittedOp(iteration, role, "save", ranks,
+                                tuple(a.save_state.remote(role, state_dir) for a in actors)))
+    everyone = tuple(range(workers.world_size))
+    rng_dir = str(staging / STATE_DIR / RNG_DIR)
+    subs.append(SubmittedOp(iteration, "rng", "save", everyone,
+                            tuple(workers.actor(r).save_rng_state.remote(rng_dir) for r in everyone)))
+    return subs
 
 
 def wait_ops(workers: WorkerGroup, ops: Sequence[SubmittedOp], later: Sequence[SubmittedOp],
@@ -113,4 +135,5 @@ def stall_failure(workers: WorkerGroup, ops: Sequence[SubmittedOp], remaining: l
     return WorkerFailure(message, first.describe(), ", ".join(stopped), recoverable=True)
 
 
-__all__ = ["FAILURE_SETTLE_S", "SubmittedOp", "failure_of", "first_unfinished", "stall_failure", "wait_ops"]
+__all__ = ["FAILURE_SETTLE_S", "SubmittedOp", "failure_of", "first_unfinished", "stall_failure", "submit_checkpoint",
+           "wait_ops"]

@@ -55,8 +55,8 @@ from app.reporting import (
     timing_table,
     write_gantt,
 )
-from app.run.checkpoint import RNG_DIR, STATE_DIR, begin, commit, is_due, latest_checkpoint, prune
-from app.run.collect import SubmittedOp, wait_ops
+from app.run.checkpoint import begin, commit, is_due, latest_checkpoint, prune
+from app.run.collect import SubmittedOp, submit_checkpoint, wait_ops
 from app.run.recovery import DriverError, WorkerFailure, guard_params, log_restart, one_line
 from app.run.resume import (
     RunState,
@@ -83,7 +83,19 @@ from app.run.runtime import (
     start_workers,
     wait_plan,
 )
-from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
+from app.run.schedule import (
+    CallOp,
+    Op,
+    ReallocOp,
+    ReleaseOp,
+    home_placements,
+    iteration_ops,
+    last_train_call,
+    prepared_call,
+    prompt_shard,
+    sequences_per_iteration,
+    shards_needed,
+)
 from cluster.placement import WorkerCallError, WorkerGroup
 from planning.simulate import simulate
 
@@ -109,8 +121,11 @@ class Driver:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume_from = check_run_dir(self.run_dir, cfg.run.resume)  # ConfigError before Ray starts
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.inputs = inputs if inputs is not None else preflight(cfg)
+        resume_state = None if self.resume_from is None else read_run_state(self.resume_from)
+        if resume_state is not None:
+            check_fingerprint(resume_state, cfg, self.resume_from)  # the run it continues: before Ray too
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.problem = self.inputs.problem
         self.graph = self.problem.graph
         self.total_iterations = cfg.run.iterations
@@ -122,9 +137,8 @@ class Driver:
         self.records: list[TimelineRecord] = []
         self.tracker: Tracker | None = None
         self.restarts = 0
-        self._kl_used: dict[int, float] = {}  # the KL coefficient each submitted iteration got
         try:
-            self._setup(worker_cls)
+            self._setup(worker_cls, resume_state)
         except (WorkerCallError, TimeoutError) as exc:  # a worker failed while starting: one line
             self.close(write_reports=False)
             raise DriverError(f"setting up the run failed: {one_line(str(exc))}") from None
@@ -133,7 +147,7 @@ class Driver:
             raise
 
     # ---- setup ------------------------------------------------------------------------------------
-    def _setup(self, worker_cls: type | None) -> None:
+    def _setup(self, worker_cls: type | None, resume_state: RunState | None) -> None:
         if worker_cls is None:
             from actors.worker import ModelWorker
 
@@ -148,7 +162,7 @@ class Driver:
         self._write_plan()
         self.model_roles = tuple(self.inputs.models)
         self._prepare_workers()
-        self._start_run_state(self.resume_from)
+        self._start_run_state(self.resume_from, resume_state)
 
     def _start_workers(self) -> None:
         """One worker per GPU (placement groups reserved) in one torch.distributed world."""
@@ -162,8 +176,8 @@ class Driver:
         setup_groups(self.workers, plan_groups(self.inputs, self.plan), cfg.run.collective_timeout_s)
         self.load_meta = load_models(self.workers, self.inputs, self.plan, cfg.run.call_timeout_s)
 
-    def _start_run_state(self, checkpoint: Path | None) -> None:
-        """Driver state for a fresh run, or the state of `checkpoint` (driver and workers); the
+    def _start_run_state(self, checkpoint: Path | None, state: RunState | None) -> None:
+        """Driver state for a fresh run, or `state` of `checkpoint` (driver and workers); the
         logs rewound to it; a tracker appending to them."""
         cfg = self.cfg
         for message in clear_incomplete(self.run_dir):
@@ -173,10 +187,9 @@ class Driver:
             self.inputs.examples, cfg.batch.prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         p = cfg.ppo
         self.kl = make_kl_controller(p.kl_controller, p.kl_coef, p.kl_target, p.kl_horizon)
+        # The KL coefficient each submitted iteration got (restored: the driver runs ahead).
         self._next_iteration, self._kl_used, wandb_id = 0, {}, None
-        if checkpoint is not None:
-            state = read_run_state(checkpoint)
-            check_fingerprint(state, cfg, checkpoint)
+        if checkpoint is not None and state is not None:
             assert self.workers is not None
             self._location = restore_workers(self.workers, self.graph, self.plan, self.model_roles, checkpoint,
                                              state, cfg.run.call_timeout_s)
@@ -222,11 +235,11 @@ class Driver:
             else:
                 sub = self._submit_weights_op(op, i)
             submitted.append(sub)
-            if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == self._last_train():
+            if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == last_train_call(self.graph):
                 staging, subs = self._maybe_checkpoint(i)
                 submitted.extend(subs)
         # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
-        samples = self._n_sequences() // len(batch)
+        samples = sequences_per_iteration(self.graph) // len(batch)
         prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
         self._pending.append(PendingIteration(i, submitted, prompt_tokens, staging, self._batches.state))
         self._next_iteration += 1
@@ -257,47 +270,23 @@ class Driver:
         assert self.workers is not None
         if isinstance(op, ReallocOp):
             refs = tuple(self.workers.actor(r).reallocate.remote(op.role, op.src, op.dst) for r in op.ranks)
-            return SubmittedOp(i, self._dst_call(op), "realloc", op.ranks, refs)
+            return SubmittedOp(i, prepared_call(self.graph, self.plan, op), "realloc", op.ranks, refs)
         assert isinstance(op, ReleaseOp)
         refs = tuple(self.workers.actor(r).release.remote(op.role, op.placement) for r in op.ranks)
         return SubmittedOp(i, op.role, "release", op.ranks, refs)
-
-    def _dst_call(self, op: ReallocOp) -> str:
-        """The call a reallocation prepares (the first call of the role on its destination)."""
-        return next(m.name for m in self.graph.mfcs if m.role == op.role and self.plan[m.name] == op.dst)
-
-    def _n_sequences(self) -> int:
-        """Sequences per iteration: the first generation call's rows (the first call's without one,
-        e.g. DPO's 2 x pairs)."""
-        return next((m.batch.n_seqs for m in self.graph.mfcs if m.kind == "generate"), self.graph.mfcs[0].batch.n_seqs)
-
-    def _last_train(self) -> Any:
-        return [m for m in self.graph.mfcs if m.kind == "train"][-1]
 
     def _checkpoint_due(self, i: int) -> bool:
         c = self.cfg.checkpoint
         return is_due(i + 1, c.every, self.total_iterations, c.at_end)
 
     def _maybe_checkpoint(self, i: int) -> tuple[Path | None, list[SubmittedOp]]:
-        """When one is due after iteration i's training: its staging directory and the writes of
-        every trained role (HF export, state shards) and of every worker's random generators."""
+        """When one is due after iteration i's training: its staging directory and its writes."""
         if not self._checkpoint_due(i):
             return None, []
         assert self.workers is not None
         staging = begin(self.run_dir, i + 1)
-        subs = []
-        for role in self.graph.trained_roles:
-            ranks = tuple(self._location[role].mesh.gpus)
-            actors = [self.workers.actor(r) for r in ranks]
-            subs.append(SubmittedOp(i, role, "export", ranks,
-                                    tuple(a.export.remote(role, str(staging / role)) for a in actors)))
-            subs.append(SubmittedOp(i, role, "save", ranks,
-                                    tuple(a.save_state.remote(role, str(staging / STATE_DIR / role)) for a in actors)))
-        ranks = tuple(range(self.workers.world_size))
-        rng_dir = str(staging / STATE_DIR / RNG_DIR)
-        subs.append(SubmittedOp(i, "rng", "save", ranks,
-                                tuple(self.workers.actor(r).save_rng_state.remote(rng_dir) for r in ranks)))
-        return staging, subs
+        homes = {role: tuple(self._location[role].mesh.gpus) for role in self.graph.trained_roles}
+        return staging, submit_checkpoint(self.workers, i, staging, homes)
 
     # ---- collection ------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -351,7 +340,7 @@ class Driver:
         try:
             self._start_workers()
             self._prepare_workers()
-            self._start_run_state(checkpoint)
+            self._start_run_state(checkpoint, None if checkpoint is None else read_run_state(checkpoint))
         except (WorkerCallError, TimeoutError) as exc:
             raise DriverError(f"restart {self.restarts} after '{failure}' failed: {one_line(str(exc))}") from None
         return self._next_iteration
@@ -372,11 +361,11 @@ class Driver:
         kinds = {m.name: m.kind for m in self.graph.mfcs}
         metrics = {**timing_metrics(records, self._previous_end), **realloc_metrics(realloc_metas),
                    **rollout_metrics(call_metas, kinds)}
-        metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self._n_sequences(),
+        metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, sequences_per_iteration(self.graph),
                                                 self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]
         if "actor/kl" in metrics:  # adapts the coefficient of the iterations submitted from now on
-            self.kl.update(metrics["actor/kl"], self._n_sequences())
+            self.kl.update(metrics["actor/kl"], sequences_per_iteration(self.graph))
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
         if pending.checkpoint is not None:  # after the row is logged: a resume never skips it
@@ -387,17 +376,14 @@ class Driver:
         """Make the checkpoint after `pending` complete: the driver's state beside what the
         workers wrote, then the atomic rename; older checkpoints beyond checkpoint.keep go."""
         assert pending.checkpoint is not None and self.tracker is not None
-        done = pending.iteration + 1
-        homes = home_placements(self.graph, self.plan, self.model_roles)
-        state = RunState(
-            iterations_done=done, data_epoch=pending.data_state.epoch, data_position=pending.data_state.position,
-            kl_value=self.kl.value, kl_submitted={i: v for i, v in self._kl_used.items() if i >= done},
-            homes={role: placement_json(homes[role]) for role in self.graph.trained_roles},
-            fingerprint=fingerprint(self.cfg), wandb_id=self.tracker.wandb_id, rng=driver_rng_state())
-        exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-        commit(pending.checkpoint, done, list(self.graph.trained_roles), {"exports": exports,
-                                                                          "run_state": state.to_json()})
+        done, roles = pending.iteration + 1, list(self.graph.trained_roles)
         self._kl_used = {i: v for i, v in self._kl_used.items() if i >= done}
+        homes = home_placements(self.graph, self.plan, self.model_roles)
+        state = RunState(done, pending.data_state.epoch, pending.data_state.position, self.kl.value, self._kl_used,
+                         {role: placement_json(homes[role]) for role in roles}, fingerprint(self.cfg),
+                         self.tracker.wandb_id, driver_rng_state())
+        exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
+        commit(pending.checkpoint, done, roles, {"exports": exports, "run_state": state.to_json()})
         prune(self.run_dir, self.cfg.checkpoint.keep)
 
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:
@@ -424,18 +410,6 @@ class Driver:
             self.workers = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def prompt_shard(batch: list[PromptExample]) -> dict[str, Any]:
-    """The generation call's input: rows 0..n-1 with prompt ids (int64 [p_i]), texts and answers."""
-    import torch
-
-    return {
-        "row_start": 0, "n": len(batch),
-        "prompt_ids": [torch.tensor(e.prompt_ids, dtype=torch.int64) for e in batch],
-        "prompt": [e.prompt for e in batch],
-        "answer": [e.answer for e in batch],
-    }
 
 
 __all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "prompt_shard"]
