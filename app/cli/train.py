@@ -70,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     inputs = preflight(cfg)  # ConfigError -> status 2, before Ray or any worker starts
     run_dir = resolve_run_dir(cfg)
-    check_run_dir(run_dir, cfg.run.resume)  # a directory holding another run, a resume that cannot be
+    checkpoint = check_run_dir(run_dir, cfg.run.resume)  # a directory holding another run, a bad resume
     print(f"run directory: {run_dir}", flush=True)
+    if cfg.run.resume is not None:
+        print(f"resuming from {checkpoint or 'iteration 0 (no complete checkpoint yet)'}", flush=True)
     try:
         driver = Driver(cfg, run_dir, inputs=inputs)
         history = driver.run()

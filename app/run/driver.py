@@ -284,7 +284,10 @@ class Driver:
         if not self._checkpoint_due(i):
             return None, []
         assert self.workers is not None
-        staging = begin(self.run_dir, i + 1)
+        try:
+            staging = begin(self.run_dir, i + 1)
+        except OSError as exc:  # an existing iter_N (never rewritten) or an unwritable run directory
+            raise DriverError(f"checkpoint after iteration {i}: {one_line(str(exc))}") from None
         homes = {role: tuple(self._location[role].mesh.gpus) for role in self.graph.trained_roles}
         return staging, submit_checkpoint(self.workers, i, staging, homes)
 
@@ -383,7 +386,10 @@ class Driver:
                          {role: placement_json(homes[role]) for role in roles}, fingerprint(self.cfg),
                          self.tracker.wandb_id, driver_rng_state())
         exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-        commit(pending.checkpoint, done, roles, {"exports": exports, "run_state": state.to_json()})
+        try:
+            commit(pending.checkpoint, done, roles, {"exports": exports, "run_state": state.to_json()})
+        except (OSError, RuntimeError) as exc:
+            raise DriverError(f"checkpoint after iteration {pending.iteration}: {one_line(str(exc))}") from None
         prune(self.run_dir, self.cfg.checkpoint.keep)
 
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:
