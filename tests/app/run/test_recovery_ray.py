@@ -160,9 +160,12 @@ def test_resume_after_the_driver_is_killed_is_exact(ray_session: None, tmp_path:
 def test_a_killed_worker_is_recovered(ray_session: None, tmp_path: Path, worker_cls: type,  # noqa: F811
                                       marker: str, worker: str, op: str) -> None:
     shutil.rmtree(marker_dir(), ignore_errors=True)
-    rows = Driver(config(tmp_path, "run.iterations=6", "checkpoint.every=2", "run.max_restarts=2"), tmp_path,
-                  worker_cls=worker_cls).run()
-    assert (marker_dir() / marker).exists(), "the worker never died"
+    try:
+        rows = Driver(config(tmp_path, "run.iterations=6", "checkpoint.every=2", "run.max_restarts=2"), tmp_path,
+                      worker_cls=worker_cls).run()
+        assert (marker_dir() / marker).exists(), "the worker never died"
+    finally:
+        shutil.rmtree(marker_dir(), ignore_errors=True)
     assert [int(r["iteration"]) for r in rows] == list(range(6))
     assert [m["iteration"] for m in read_metrics(tmp_path)] == list(range(6))  # none duplicated or missing
     timeline = [json.loads(line)["iteration"] for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
