@@ -28,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planning.models import MODEL_PRESETS, ModelSpec
 
 LLAMA_1B = MODEL_PRESETS["llama3.2-1b"]
+# The 1B's features (tied embedding, Llama 3 rope scaling) at a size that runs in seconds on CPU.
 TINY = ModelSpec("peer-tiny", "llama", vocab_size=384, hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
-                 n_kv_heads=2, head_dim=16, max_position_embeddings=512)
+                 n_kv_heads=2, head_dim=16, tie_embeddings=True, rope_theta=LLAMA_1B.rope_theta,
+                 rope_scaling=LLAMA_1B.rope_scaling, max_position_embeddings=8192)
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
 # Symbols whose merges come first, so that prompt words (space + lowercase letters) are merged.
 COMMON = "Ġ" + string.ascii_lowercase
