@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from peer_setup import build_inputs
-from peer_trl import SideResult, TrlSettings, run_trl
+from benchmarks.peer_setup import build_inputs
+from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
 
 
 @dataclass(frozen=True)

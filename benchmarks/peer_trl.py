@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer_reward import trl_reward_fn
+from benchmarks.peer_reward import trl_reward_fn
 
 
 @dataclass(frozen=True)

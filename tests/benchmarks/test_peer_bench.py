@@ -1,32 +1,17 @@
 """benchmarks/peer_bench.py in its CPU mode (--tiny): both systems get the same prompt ids, and
-one call measures our GRPO (and TRL's GRPOTrainer where `trl` imports) and prints the table.
-
-The benchmark is a script, not a package: it is loaded from its file.
-"""
+one call measures our GRPO (and TRL's GRPOTrainer where `trl` imports) and prints the table."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmarks.peer_bench import main
+from benchmarks.peer_setup import build_inputs
 from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its sibling modules by name
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.unit
@@ -35,8 +20,7 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
 
     from app.data import build_prompt_dataset, load_tokenizer
 
-    setup = load("peer_setup")
-    inputs = setup.build_inputs(tmp_path, tiny=True, n_prompts=6, prompt_len=12)
+    inputs = build_inputs(tmp_path, tiny=True, n_prompts=6, prompt_len=12)
     hf = AutoTokenizer.from_pretrained(inputs.model_dir)
     assert len(hf) == inputs.spec.vocab_size and hf.eos_token_id == inputs.spec.eos_token_id
     ours = build_prompt_dataset(inputs.prompts, load_tokenizer(str(inputs.model_dir)), max_prompt_len=12)
@@ -49,8 +33,7 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
 @pytest.mark.ray
 def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_path: Path,  # noqa: F811
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load("peer_bench")
-    assert bench.main(["--tiny", "--out", str(tmp_path)]) == 0
+    assert main(["--tiny", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "peer_bench.json").read_text())
     by_name = {r["name"].split()[0]: r for r in summary["results"]}
     ours = by_name["realray"]
