@@ -17,6 +17,7 @@ train call raises together and none waits in a collective for a peer that stoppe
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,21 +45,24 @@ def nonfinite_policy(params: dict[str, Any]) -> str:
 
 
 class RewardRunner:
-    """Calls a reward function on one thread with a deadline per call (one per worker process;
-    a call that overran leaves its thread behind and the next call gets a fresh one)."""
+    """Calls a reward function on a helper thread with a deadline per call. Each calling thread
+    has its own helper (the worker scores rewards on several model-free threads at once, and a
+    call must not wait behind another's); a call that overran leaves its helper behind and the
+    next call of that thread gets a fresh one."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        future = self._pool.submit(fn, *args)
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        future = pool.submit(fn, *args)
         try:
             return future.result(timeout=timeout_s)
         except FutureTimeout:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            pool.shutdown(wait=False)
+            self._local.pool = None
             raise
 
 
