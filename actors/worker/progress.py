@@ -49,6 +49,8 @@ def activity(worker: object) -> dict[str, Any]:
         methods = [f for f in frames if f.f_locals.get("self") is worker]
         if not methods:
             continue
+        # Ray's own wrappers take the actor as `self` too: name the outermost method of ours.
+        methods = [f for f in methods if not _is_library(f.f_code.co_filename)] or methods
         ours = next((f for f in frames if not _is_library(f.f_code.co_filename)), frames[0])
         in_collective = any(COLLECTIVE_MARKER in f.f_code.co_filename for f in frames)
         return {"busy": True, "method": methods[-1].f_code.co_name, "where": _describe(ours),
