@@ -11,7 +11,6 @@ Everything here is pure Python, frozen and hashable, so plans can be cached and 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from functools import cached_property
 

@@ -42,7 +42,9 @@ def test_reward_scores_pass_and_a_slow_call_times_out_naming_the_sample() -> Non
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_reward_stops_or_passes_through(bad: float) -> None:
-    fn = lambda p, r, a: bad if r == "y" else 1.0  # noqa: E731
+    def fn(prompt: str, response: str, answer: str | None) -> float:
+        return bad if response == "y" else 1.0
+
     with pytest.raises(NonFiniteError, match=r"reward function mod:fn returned .* for sample 6 \(call rew_inf, iteration 2\)"):
         score_rows(fn, "mod:fn", PROMPTS, RESPONSES, ANSWERS, 5, "rew_inf", 2, {})
     scores = score_rows(fn, "mod:fn", PROMPTS, RESPONSES, ANSWERS, 5, "rew_inf", 2, {"on_nonfinite": "skip"})
