@@ -27,6 +27,9 @@ def ray_session() -> Iterator[None]:
     if started_here:
         search_path = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])
         ray.init(
+            # "local": always a new instance, never a cluster another process started with `ray
+            # start` on this machine (a plain ray.init() would join the one it last started).
+            address="local",
             num_cpus=RAY_TEST_CPUS,
             num_gpus=RAY_TEST_GPUS,
             include_dashboard=False,
