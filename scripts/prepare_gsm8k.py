@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
 
-from app.data import GSM8K_INSTRUCTION, prepare_gsm8k  # noqa: E402  (after the path line above)
+from app.data import GSM8K_INSTRUCTION, prepare_gsm8k  # after the path line above: this checkout's app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,9 +65,9 @@ def build_tiny_chat_model(directory: Path, family: str = "qwen2", seed: int = 0)
 
     tokenizer = build_tokenizer(directory)
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
-    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    shape = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+             "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
     if family == "qwen2":
         config = transformers.Qwen2Config(**shape, bos_token_id=ids["<|endoftext|>"], tie_word_embeddings=True)
         model_cls = transformers.Qwen2ForCausalLM

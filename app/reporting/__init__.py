@@ -11,6 +11,8 @@ May import planning (no torch or ray). In dependency order:
 
 from __future__ import annotations
 
+from app.reporting.curves import Panel, curve_panels, draw_curves, run_summary
+from app.reporting.ray_metrics import RayMetricsExporter, gauge_name, gauge_values
 from app.reporting.report import (
     PlanReport,
     draw_gantt,
@@ -19,6 +21,7 @@ from app.reporting.report import (
     plan_report,
     simulated_bars,
 )
+from app.reporting.samples import append_samples, read_samples, rollout_samples
 from app.reporting.timeline import (
     TimelineRecord,
     append_records,
@@ -32,9 +35,6 @@ from app.reporting.timeline import (
     write_gantt,
 )
 from app.reporting.tracking import Tracker
-from app.reporting.curves import Panel, curve_panels, draw_curves, run_summary
-from app.reporting.samples import append_samples, read_samples, rollout_samples
-from app.reporting.ray_metrics import RayMetricsExporter, gauge_name, gauge_values
 
 __all__ = [
     # report.py

@@ -88,4 +88,4 @@ class RayMetricsExporter:
             self.enabled = False
 
 
-__all__ = ["ITERATION_GAUGE", "PREFIX", "RayMetricsExporter", "TIMING_GAUGE", "gauge_name", "gauge_values"]
+__all__ = ["ITERATION_GAUGE", "PREFIX", "TIMING_GAUGE", "RayMetricsExporter", "gauge_name", "gauge_values"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from typing import Any
 import pytest
 
 from app.config.experiment import load_config
-from app.data import prepare_gsm8k
 from app.data.rewards import math_exact_match
 from app.reporting.samples import read_samples
 from app.reporting.tracking import read_metrics
@@ -45,7 +43,7 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped GSM8K-format problems as a prompt file, by the script users run."""
     target = tmp_path_factory.mktemp("gsm8k") / "train.jsonl"
     done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "prepare_gsm8k.py"), str(GSM8K_TINY),
-                           str(target)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                           str(target)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     return target
 
@@ -99,7 +97,7 @@ def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
     """History records of the run's offline W&B transaction log, read by wandb itself."""
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
-                          capture_output=True, text=True, timeout=180, cwd=run_dir)
+                          capture_output=True, text=True, timeout=180, cwd=run_dir, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return [r["history"] for r in records if r.get("type") == "history"]
@@ -151,4 +149,3 @@ def test_ppo_on_gsm8k_with_a_llama_and_a_critic(ray_session: None, tmp_path: Pat
     final = run_dir / "checkpoints" / f"iter_{ITERATIONS}"
     check_checkpoint_chats(final / "actor", "llama")
     assert (final / "critic" / "tokenizer.json").is_file()
-    assert os.environ.get("WANDB_MODE") != "online"
