@@ -175,7 +175,8 @@ def describe_cluster(virtual: bool, hardware: str | None = None, virtual_gpus: i
     records = ray.nodes()
     if virtual and virtual_gpus > 0 and not any(_advertises_gpus(r) for r in records):
         node = cpu_slot_node(records, virtual_gpus)
-        spec = ClusterSpec(nodes=1, gpus_per_node=virtual_gpus, hardware=hardware_preset(hardware or VIRTUAL_GPU_PRESET))
+        preset = hardware_preset(hardware or VIRTUAL_GPU_PRESET)
+        spec = ClusterSpec(nodes=1, gpus_per_node=virtual_gpus, hardware=preset)
         return RayClusterInfo(spec=spec, nodes=(node,), virtual=True, cpu_slots=True)
     nodes = gpu_nodes(records)
     if virtual and len(nodes) != 1:

@@ -30,7 +30,8 @@ def _rewards_by_row(call_metas: Mapping[str, Sequence[dict[str, Any]]], kinds: M
     return rewards
 
 
-def rollout_samples(call_metas: Mapping[str, Sequence[dict[str, Any]]], kinds: Mapping[str, str]) -> list[dict[str, Any]]:
+def rollout_samples(call_metas: Mapping[str, Sequence[dict[str, Any]]],
+                    kinds: Mapping[str, str]) -> list[dict[str, Any]]:
     """The generation calls' decoded samples of one iteration with their rewards, by row.
 
     call_metas: call name -> metadata dicts of its ranks; kinds: call name -> generate | inference | train.

@@ -75,4 +75,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(complete, key=lambda d: int(d.name.removeprefix("iter_")), default=None)
 
 
-__all__ = ["MARKER", "TOKENIZER_FILES", "checkpoint_dir", "copy_tokenizer", "is_complete", "is_due", "latest_checkpoint", "mark_complete"]
+__all__ = [
+    "MARKER", "TOKENIZER_FILES", "checkpoint_dir", "copy_tokenizer", "is_complete", "is_due", "latest_checkpoint",
+    "mark_complete",
+]

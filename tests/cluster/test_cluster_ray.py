@@ -144,7 +144,8 @@ def test_virtual_gpus_as_cpu_slots(ray_session: None) -> None:  # noqa: F811
     # bundles of a CPU sliver, actors holding no GPU; the cluster's GPUs stay untouched.
     two = ClusterSpec(nodes=1, gpus_per_node=2, hardware=hardware_preset("cpu"))
     group = create_workers(ProbeWorker, two, {"tag": "slot"}, rank_kwargs=[{"rank": r} for r in range(2)],
-                           cpus_per_worker=VIRTUAL_SLOT_CPU, gpus_per_worker=0.0, name_prefix="slot", ready_timeout_s=120)
+                           cpus_per_worker=VIRTUAL_SLOT_CPU, gpus_per_worker=0.0, name_prefix="slot",
+                           ready_timeout_s=120)
     try:
         described = group.run("describe", timeout_s=60)
         assert [d["name"] for d in described] == ["slot-n0-g0", "slot-n0-g1"]
@@ -340,7 +341,8 @@ def test_a_cluster_without_gpus_lends_cpu_slots() -> None:
         resources = {"CPU": cpus, **({"node:__internal_head__": 1.0} if head else {})}
         return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive, "Resources": resources}
 
-    nodes = [record("w", "10.0.0.1", 8), record("h", "10.0.0.5", 2, head=True), record("d", "10.0.0.0", 64, alive=False)]
+    nodes = [record("w", "10.0.0.1", 8), record("h", "10.0.0.5", 2, head=True),
+             record("d", "10.0.0.0", 64, alive=False)]
     assert node_order(nodes) == ["h", "w"]  # head first, the dead node left out
     node = cpu_slot_node(nodes, 4)
     assert (node.node_id, node.n_gpus, node.is_head) == ("h", 4, True)

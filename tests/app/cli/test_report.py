@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,8 @@ def test_grpo_rows_without_a_critic_draw_their_own_panels(tmp_path: Path) -> Non
     (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text('{"iteration": 0}\n{oops\n')), "line 2: invalid JSON"),
     (lambda d: write_run(d, [{"iteration": 0, "note": "text"}]), "no numeric metric to draw"),
 ])
-def test_bad_run_dir_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], setup, message: str) -> None:
+def test_bad_run_dir_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           setup: Callable[[Path], object], message: str) -> None:
     run_dir = tmp_path / "run"
     setup(run_dir)
     assert main(["report", str(run_dir)]) == 2

@@ -58,7 +58,8 @@ def test_driver_gauges_reach_the_node_metrics_endpoint(ray_session: None) -> Non
         if all(name in text for name in expected):
             break
         time.sleep(2.0)
-    ours = [line for line in text.splitlines() if "realray_" in line and not line.startswith("#")]
+    # This run's lines (other runs of the test session, e.g. drivers' runs, export their own).
+    ours = [line for line in text.splitlines() if 'run="metrics-test-run"' in line and not line.startswith("#")]
     missing = [name for name in expected if name not in text]
     assert not missing, f"not on the metrics endpoint after {METRICS_WAIT_S:g} s: {missing}; ours: {ours[:10]}"
     reward = next(line for line in ours if line.startswith("ray_realray_rollout_reward_mean{"))
