@@ -12,6 +12,8 @@ or absent. A directory is never rewritten in place: the rename refuses an existi
 A run killed mid-write leaves `.tmp-iter_N`, which is never loaded: `incomplete_checkpoints`
 lists it (and any `iter_N` without `checkpoint.json`, e.g. written by an older version) so the
 driver can report it; the next write of the same N replaces it. `prune` keeps the newest K.
+With an HF tokenizer (data.tokenizer a model directory) its files are copied beside each export
+before the marker, so a checkpoint loads and chats in transformers (or vLLM) alone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ STAGING_PREFIX = ".tmp-"
 DELETING_PREFIX = ".del-"
 STATE_DIR = "state"
 RNG_DIR = "rng"
+# The files of an HF tokenizer (fast or slow, with its chat template) that travel with an export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def checkpoint_dir(run_dir: str | Path, iterations_done: int) -> Path:
@@ -64,13 +69,18 @@ def is_due(iterations_done: int, every: int, total: int | None, at_end: bool) ->
     return periodic or final
 
 
-def commit(staging: Path, iterations_done: int, roles: Sequence[str], record: dict[str, Any]) -> Path:
-    """Write the marker into `staging` (after every worker's write returned) and rename it to
-    `iter_N`. Returns the final directory."""
+def commit(staging: Path, iterations_done: int, roles: Sequence[str], record: dict[str, Any],
+           tokenizer_dir: str | None = None) -> Path:
+    """Copy the tokenizer files of `tokenizer_dir` (when it is a directory) into each role's
+    export, write the marker into `staging` (after every worker's write returned) and rename it
+    to `iter_N`. Returns the final directory."""
     missing = [role for role in roles if not (staging / role / "config.json").is_file()]
     if missing:
         raise RuntimeError(f"checkpoint {staging}: exports of {missing} returned but wrote no config.json "
                            "(is the run directory on a file system every worker shares?)")
+    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+        for role in roles:
+            copy_tokenizer(Path(tokenizer_dir), staging / role)
     body = {"iterations": iterations_done, "roles": list(roles), "time": time.time(), **record}
     marker = staging / MARKER
     with marker.open("w", encoding="utf-8") as sink:
@@ -82,6 +92,16 @@ def commit(staging: Path, iterations_done: int, roles: Sequence[str], record: di
         raise FileExistsError(f"checkpoint {final} already exists; a checkpoint is never rewritten in place")
     os.rename(staging, final)
     return final
+
+
+def copy_tokenizer(source: Path, target: Path) -> list[str]:
+    """Copy the HF tokenizer files of `source` into `target`; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+            copied.append(name)
+    return copied
 
 
 def is_complete(directory: str | Path) -> bool:
@@ -137,6 +157,7 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
 
 
 __all__ = [
-    "DELETING_PREFIX", "MARKER", "RNG_DIR", "STAGING_PREFIX", "STATE_DIR", "begin", "checkpoint_dir", "commit", "complete_checkpoints",
-    "incomplete_checkpoints", "is_complete", "is_due", "iterations_of", "latest_checkpoint", "prune", "staging_dir",
+    "DELETING_PREFIX", "MARKER", "RNG_DIR", "STAGING_PREFIX", "STATE_DIR", "TOKENIZER_FILES", "begin",
+    "checkpoint_dir", "commit", "complete_checkpoints", "copy_tokenizer", "incomplete_checkpoints", "is_complete",
+    "is_due", "iterations_of", "latest_checkpoint", "prune", "staging_dir",
 ]

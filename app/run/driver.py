@@ -41,14 +41,17 @@ from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, IteratorState, PromptExample
 from app.reporting import (
+    RayMetricsExporter,
     TimelineRecord,
     Tracker,
     append_records,
+    append_samples,
     plan_json,
     plan_report,
     realloc_metrics,
     records_of,
     rollout_metrics,
+    rollout_samples,
     span,
     throughput,
     timing_metrics,
@@ -163,6 +166,7 @@ class Driver:
         self.model_roles = tuple(self.inputs.models)
         self._prepare_workers()
         self._start_run_state(self.resume_from, resume_state)
+        self.ray_metrics = RayMetricsExporter(self.run_dir.name)  # Gauges for the cluster's Prometheus
 
     def _start_workers(self) -> None:
         """One worker per GPU (placement groups reserved) in one torch.distributed world."""
@@ -371,7 +375,9 @@ class Driver:
             self.kl.update(metrics["actor/kl"], sequences_per_iteration(self.graph))
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
-        if pending.checkpoint is not None:  # after the row is logged: a resume never skips it
+        self.ray_metrics.export(metrics, pending.iteration)
+        append_samples(self.run_dir / "samples.jsonl", pending.iteration, rollout_samples(call_metas, kinds))
+        if pending.checkpoint is not None:  # after the rows are logged: a resume never skips them
             self._commit_checkpoint(pending, metas)
         return {"iteration": float(pending.iteration), **metrics}
 
@@ -387,7 +393,8 @@ class Driver:
                          self.tracker.wandb_id, driver_rng_state())
         exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
         try:
-            commit(pending.checkpoint, done, roles, {"exports": exports, "run_state": state.to_json()})
+            commit(pending.checkpoint, done, roles, {"exports": exports, "run_state": state.to_json()},
+                   tokenizer_dir=self.cfg.data.tokenizer)
         except (OSError, RuntimeError) as exc:
             raise DriverError(f"checkpoint after iteration {pending.iteration}: {one_line(str(exc))}") from None
         prune(self.run_dir, self.cfg.checkpoint.keep)

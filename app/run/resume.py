@@ -17,8 +17,8 @@ loader reshards from), and the config fields the continuation must share (`FINGE
 The workers' part (weights, optimizer state, random generators) is in the checkpoint's
 `state/` directory (actors.worker.state).
 
-`rewind_logs` truncates metrics.jsonl and timeline.jsonl to the iterations before the
-checkpoint, so a resumed run appends to them without duplicate rows.
+`rewind_logs` truncates metrics.jsonl, timeline.jsonl and samples.jsonl to the iterations before
+the checkpoint, so a resumed run appends to them without duplicate rows.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from planning.layout import Layout, Mesh
 from planning.plan import ExecutionPlan, Placement
 
 RUN_FILES = ("metrics.jsonl", "plan.json", "timeline.jsonl", "checkpoints")
-LOG_FILES = ("metrics.jsonl", "timeline.jsonl")
+LOG_FILES = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl")
 # Config fields a continuation must share with the run it continues (the data order and the
 # models depend on them); anything else (plan, cluster, timeouts, iterations...) may change.
 FINGERPRINT = ("algorithm", "models", "batch.prompts", "batch.group_size", "data.path", "data.seed",
@@ -100,7 +100,7 @@ def clear_incomplete(run_dir: str | Path) -> list[str]:
 
 
 def rewind_logs(run_dir: str | Path, iterations_done: int) -> None:
-    """Keep only the rows of iterations < iterations_done in metrics.jsonl and timeline.jsonl
+    """Keep only the rows of iterations < iterations_done in the logs (LOG_FILES)
     (rewritten to a temporary file and renamed, so a kill leaves the old or the new file)."""
     for name in LOG_FILES:
         path = Path(run_dir) / name
