@@ -4,8 +4,11 @@ ops, and the profiler that measures this machine for the cost model.
 May import every other package of actors/ (the top layer), never ray, cluster or app.
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
+  guards       reward functions under a time limit; non-finite rewards, losses, gradient norms
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
   train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  state        a trained model's checkpoint state per shard, loaded under any layout
+  progress     where the call thread of a busy worker is (for stall reports)
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements
