@@ -7,8 +7,8 @@ rejected fields) and checks there are enough prompts (pairs) for a batch.
 Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
-`connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; checks the Ray cluster holds
-the configured GPUs), `start_plan_search` (the search runs in a `PlannerService` actor while the
+`connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; picks the planner's nodes of
+the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (the search runs in a `PlannerService` actor while the
 workers start), `start_workers` + `init_world` (one `ModelWorker` per GPU, torch.distributed
 rendezvous with a timeout), `setup_groups` (every process group the plan will use: each
 placement's layout groups and each reallocation's broadcast groups, created once, in one
@@ -38,6 +38,7 @@ from app.data import (
     load_tokenizer,
     tokenize_preferences,
 )
+from app.run.cluster_check import check_local_start, planner_nodes, worker_cpus
 from app.run.schedule import home_placements, realloc_member_sets
 from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
@@ -182,21 +183,13 @@ def _load_preferences(cfg: ExperimentConfig, tokenizer: Any) -> list[PreferenceE
 
 
 def connect_cluster(cfg: ExperimentConfig) -> RayClusterInfo:
-    """Connect to RAY_ADDRESS or start a local Ray (virtual GPUs on CPU); check it is big enough."""
+    """Connect to RAY_ADDRESS or start a local Ray (virtual GPUs on CPU); returns it narrowed to
+    the planner's nodes (ConfigError naming what the Ray cluster lacks)."""
     c = cfg.cluster
-    n_gpus = c.nodes * c.gpus_per_node
-    if c.virtual_gpus and c.nodes != 1:
-        raise ConfigError("cluster.nodes", c.nodes, "1 with cluster.virtual_gpus=true (one local Ray node)")
-    options = RayStartOptions(virtual_gpus=n_gpus if c.virtual_gpus else 0, hardware=c.gpu,
+    check_local_start(cfg)
+    options = RayStartOptions(virtual_gpus=c.nodes * c.gpus_per_node if c.virtual_gpus else 0, hardware=c.gpu,
                               include_dashboard=c.dashboard)
-    join_virtual_cluster(c.virtual_gpus)
-    info = connect(options)
-    have = info.spec
-    if have.gpus_per_node < c.gpus_per_node or have.nodes < c.nodes:
-        raise ConfigError("cluster", f"{c.nodes}x{c.gpus_per_node}",
-                          f"at most the {have.nodes}x{have.gpus_per_node} GPUs of the Ray cluster",
-                          problem="larger than the Ray cluster")
-    return info
+    return planner_nodes(cfg, connect(options))
 
 
 def join_virtual_cluster(virtual: bool) -> None:
@@ -236,8 +229,9 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
     return create_workers(
         worker_cls, spec, {"world_size": spec.n_gpus, "device": info.device},
         rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
-        cpus_per_worker=0.0 if info.virtual else 1.0,
+        cpus_per_worker=worker_cpus(info.virtual),
         env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
+        nodes=info.nodes,
     )
 
 
