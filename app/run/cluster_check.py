@@ -71,7 +71,7 @@ def _check_cuda(nodes: Sequence[RayNode]) -> None:
         raise ConfigError("cluster.virtual_gpus", False,
                           "true on a Ray cluster whose GPU resources are not CUDA devices (the workers then run on "
                           "CPU with gloo)",
-                          problem=f"torch sees no CUDA device on node(s) {', '.join(n.describe() for n in no_cuda)}")
+                          problem=f"torch sees no CUDA device on node(s) {'; '.join(n.describe() for n in no_cuda)}")
 
 
 def _select(cfg: ExperimentConfig, info: RayClusterInfo, cpus_per_gpu: float) -> tuple[RayNode, ...]:
