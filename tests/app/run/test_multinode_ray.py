@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,10 +204,14 @@ def test_ray_job_submit_trains_ppo_with_a_searched_plan(cluster: MultiNodeRay, t
 
 
 def wait_for_dashboard(url: str, timeout_s: float = 120.0) -> None:
+    """Until the dashboard answers (401 too: with token authentication, which a local ray.init
+    turns on by default, the job CLI sends the token and this probe does not)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:
             return
         except OSError:
             if time.monotonic() > deadline:
