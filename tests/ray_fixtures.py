@@ -70,8 +70,15 @@ class MultiNodeRay:
     dashboard_url: str | None
 
     def add_node(self, resources: NodeResources) -> None:
-        self.cluster.add_node(num_gpus=resources.gpus, num_cpus=resources.cpus)
+        self.cluster.add_node(**node_args(resources))
         self.cluster.wait_for_nodes()
+
+
+def node_args(resources: NodeResources) -> dict[str, object]:
+    """Arguments of one node. Each gets its own dashboard-agent port: they all default to 52365,
+    and an agent that loses that race (to another node, or to another Ray on this machine)
+    serves no HTTP, so e.g. a head without it accepts no job."""
+    return {"num_gpus": resources.gpus, "num_cpus": resources.cpus, "dashboard_agent_listen_port": free_port()}
 
 
 def free_port() -> int:
@@ -89,7 +96,7 @@ def multinode_ray(nodes: Sequence[NodeResources], dashboard: bool = False) -> It
     shared = ray.is_initialized()
     if shared:
         ray.shutdown()
-    head = {"num_gpus": nodes[0].gpus, "num_cpus": nodes[0].cpus, "include_dashboard": dashboard}
+    head = {**node_args(nodes[0]), "include_dashboard": dashboard}
     dashboard_url = None
     if dashboard:
         port = free_port()
@@ -98,7 +105,7 @@ def multinode_ray(nodes: Sequence[NodeResources], dashboard: bool = False) -> It
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for node in nodes[1:]:
-            cluster.add_node(num_gpus=node.gpus, num_cpus=node.cpus)
+            cluster.add_node(**node_args(node))
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, runtime_env=worker_runtime_env())
         yield MultiNodeRay(cluster, cluster.address, dashboard_url)

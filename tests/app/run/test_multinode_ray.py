@@ -54,7 +54,7 @@ pytestmark = pytest.mark.ray
 
 PPO_TINY = REPO_ROOT / "examples" / "ppo-tiny.yaml"
 TWO_NODES = ["cluster.nodes=2", "cluster.gpus_per_node=2"]
-JOB_AGENT_RETRIES = 24
+JOB_AGENT_RETRIES = 12
 SMALL = ["batch.prompts=16", "tracking.console=false", "tracking.wandb=false"]
 # Calls on different nodes, and layouts over both nodes with tp inside one.
 ACROSS_NODES = {
@@ -244,15 +244,15 @@ def test_grpo_with_a_searched_plan_on_four_nodes(cluster: MultiNodeRay, tmp_path
     for _ in range(2):
         cluster.add_node(NodeResources(gpus=1))
     cfg = config(tmp_path, "cluster.nodes=4", "cluster.gpus_per_node=1", "algorithm=grpo", "batch.group_size=4",
-                 "plan.mode=search", "plan.seconds=2", "run.iterations=2", "checkpoint.at_end=false")
+                 "plan.mode=search", "plan.seconds=2", "run.iterations=1", "checkpoint.at_end=false")
     driver = Driver(cfg, tmp_path)
     try:
-        rows = [driver.step() for _ in range(2)]
+        rows = [driver.step()]
         assert driver.workers is not None
         assert len({slot.node_id for slot in driver.workers.slots}) == 4
     finally:
         driver.close()
-    assert [int(r["iteration"]) for r in rows] == [0, 1]
+    assert [int(r["iteration"]) for r in rows] == [0]
     assert all(r["actor/pg_loss"] == r["actor/pg_loss"] for r in rows)  # not NaN
 
 
