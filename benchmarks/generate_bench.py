@@ -1,4 +1,4 @@
-"""Decode throughput of actors.generation.decoding against the memory-bandwidth roofline.
+"""Decode throughput of actors.generation (the `generate` loop) against the memory-bandwidth roofline.
 
     python benchmarks/generate_bench.py                 # one H200, Llama-3.2-1B shape, bf16
     python benchmarks/generate_bench.py --tp 2          # two H200s, 2 spawned processes, NCCL

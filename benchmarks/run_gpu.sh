@@ -32,5 +32,8 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 [[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
   run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}" \
   ${PPO_ARGS:-}
+# Searched against symmetric plans, every case this host's GPUs hold (issue 18; PVS_ARGS e.g. --staleness 0,1).
+[[ $only == *pvs* ]] && LIMIT=${PVS_LIMIT:-580} run plan_vs_symmetric python3 benchmarks/plan_vs_symmetric.py \
+  --out "$out" ${PVS_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" .
 exit 0

@@ -37,8 +37,9 @@ def worker_runtime_env() -> dict[str, dict[str, str]]:
 
 
 def start_shared_ray() -> None:
-    """The local instance of `ray_session`."""
-    ray.init(num_cpus=RAY_TEST_CPUS, num_gpus=RAY_TEST_GPUS, include_dashboard=False,
+    """The local instance of `ray_session`. address="local": always a fresh instance, never a
+    cluster someone started with `ray start`."""
+    ray.init(address="local", num_cpus=RAY_TEST_CPUS, num_gpus=RAY_TEST_GPUS, include_dashboard=False,
              runtime_env=worker_runtime_env())
 
 
