@@ -143,6 +143,9 @@ def ray_init_kwargs(options: RayStartOptions, env_address: str | None) -> dict[s
     if address:
         return {"address": address}
     kwargs: dict[str, Any] = {
+        # Without an address, a fresh instance: a plain ray.init() would join a cluster someone
+        # started on this machine with `ray start` (and then refuse the num_gpus below).
+        "address": "local",
         "include_dashboard": options.include_dashboard,
         # The dashboard only listens on loopback: a local instance is not a service.
         "dashboard_host": "127.0.0.1",

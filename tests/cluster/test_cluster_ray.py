@@ -339,7 +339,8 @@ def test_a_cluster_too_small_names_what_is_missing_and_what_it_has() -> None:
 def test_ray_init_arguments_and_gpu_presets() -> None:
     local = ray_init_kwargs(RayStartOptions(virtual_gpus=4, num_cpus=2, include_dashboard=False), None)
     worker_path = local.pop("runtime_env")["env_vars"]["PYTHONPATH"].split(os.pathsep)
-    assert local == {"include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2, "num_gpus": 4}
+    assert local == {"address": "local", "include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2,
+                     "num_gpus": 4}
     assert worker_path[0] == str(PACKAGES_ROOT)
     assert ray_init_kwargs(RayStartOptions(), "ray://head:10001") == {"address": "ray://head:10001"}
     # Virtual GPUs with an address join that cluster and use its GPU resources.
