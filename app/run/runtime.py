@@ -238,6 +238,9 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
 def init_world(workers: WorkerGroup, backend: str, timeout_s: float) -> None:
     """Rendezvous: rank 0 reports an address, every worker joins one world with a timeout."""
     (addr, port), = workers.run("address", ranks=[0], timeout_s=timeout_s)
+    # Host it on rank 0's Ray node address, which the other nodes reach (the worker's own guess
+    # is the interface of its default route, which on a multi-homed node may not be that one).
+    addr = workers.slots[0].ip or addr
     workers.run("init_distributed", addr, port, backend, timeout_s, timeout_s=timeout_s + 60.0)
 
 
