@@ -4,11 +4,16 @@ An MFC is one call on one model role: `generate`, `inference` or `train`. Edges 
 (a call consumes what another produces) and from parameter versions: a role's `train` call in
 iteration i must finish before any call on that role's weights in iteration i+1 (generation of
 i+1 waits for actor training of i). Builders exist for PPO, GRPO, DPO and ReMax.
+
+`prune_graph` removes work nobody needs: given the keys a configuration leaves unread (e.g. the
+reference logprobs when no KL term is on), it drops them from the consumers' inputs, then every
+call none of whose outputs a remaining call reads; train calls are the sinks and always stay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 CallKind = Literal["generate", "inference", "train"]
@@ -184,3 +189,21 @@ def remax_graph(batch: BatchShape) -> Graph:
         MFC("actor_train", "actor", "train",
             ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch),
     ))
+
+
+def prune_graph(graph: Graph, unread: Iterable[str] = ()) -> Graph:
+    """`graph` without the input keys `unread` and without the calls whose outputs nobody reads.
+
+    A call stays when it trains (the weight update is the point of an iteration) or when a call
+    that stays reads one of its outputs; removal repeats until nothing changes, so a producer
+    that fed only a dropped call goes too. Calls keep their order; the graph's own checks (every
+    input produced earlier) still hold because only readers' inputs and unread producers go.
+    """
+    drop = set(unread)
+    calls = [replace(m, input_keys=tuple(k for k in m.input_keys if k not in drop)) for m in graph.mfcs]
+    while True:
+        read = {k for m in calls for k in m.input_keys}
+        kept = [m for m in calls if m.kind == "train" or read & set(m.output_keys)]
+        if len(kept) == len(calls):
+            return Graph(graph.algorithm, tuple(kept), graph.dataset_keys)
+        calls = kept

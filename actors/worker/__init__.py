@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from actors.worker.models import placement_group_sets
 from actors.worker.calls import CallSpec
-from actors.worker.model_worker import ModelWorker
+from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
     ProfileSettings,
@@ -31,7 +31,7 @@ __all__ = [
     # calls.py
     "CallSpec",
     # model_worker.py
-    "ModelWorker",
+    "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker",
     # profiler.py
     "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
     # profile_fit.py

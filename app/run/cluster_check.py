@@ -2,7 +2,7 @@
 
 `cluster.nodes x cluster.gpus_per_node` must fit the Ray cluster this run joins: the planner's
 nodes are the first Ray nodes (head first, then by IP and node id) with that many GPUs and the
-CPUs their workers reserve (`cluster.resources.select_nodes`). What does not fit is a
+CPUs their workers reserve (`RayClusterInfo.cpus_per_worker`, `cluster.resources.select_nodes`). What does not fit is a
 `ConfigError` on `cluster` naming what is missing and listing the cluster's GPU nodes, so a
 run never waits on a placement group that cannot be placed.
 
@@ -23,17 +23,6 @@ import ray
 
 from app.config import ConfigError, ExperimentConfig
 from cluster.resources import ClusterShortfall, RayClusterInfo, RayNode, probe_cuda, select_nodes
-
-# CPUs each worker reserves: one per real GPU; none for a virtual GPU (a CPU machine has too
-# few cores to reserve one per worker, and the workers run one torch thread each).
-CPUS_PER_REAL_GPU = 1.0
-CPUS_PER_VIRTUAL_GPU = 0.0
-
-
-def worker_cpus(virtual: bool) -> float:
-    """The CPU share of each worker's bundle."""
-    return CPUS_PER_VIRTUAL_GPU if virtual else CPUS_PER_REAL_GPU
-
 
 def check_local_start(cfg: ExperimentConfig) -> None:
     """Refuse several nodes of virtual GPUs when no Ray cluster is there to join."""
@@ -56,7 +45,7 @@ def planner_nodes(cfg: ExperimentConfig, info: RayClusterInfo) -> RayClusterInfo
     by_gpus = _select(cfg, info, cpus_per_gpu=0.0)
     if not info.virtual:
         _check_cuda(by_gpus)
-    nodes = _select(cfg, info, worker_cpus(info.virtual))
+    nodes = _select(cfg, info, info.cpus_per_worker)
     if not info.virtual:
         _check_cuda([n for n in nodes if n not in by_gpus])
     return replace(info, nodes=nodes, spec=replace(info.spec, nodes=c.nodes, gpus_per_node=c.gpus_per_node))
@@ -83,4 +72,4 @@ def _select(cfg: ExperimentConfig, info: RayClusterInfo, cpus_per_gpu: float) ->
                           problem=f"larger than the Ray cluster: {exc.missing}") from None
 
 
-__all__ = ["CPUS_PER_REAL_GPU", "CPUS_PER_VIRTUAL_GPU", "check_local_start", "planner_nodes", "worker_cpus"]
+__all__ = ["check_local_start", "planner_nodes"]

@@ -31,19 +31,22 @@ import ray
 from ray.exceptions import RayError
 
 from actors.rl import make_kl_controller
-from actors.worker import CallSpec
+from actors.worker import MODEL_FREE_GROUP, MODEL_FREE_OPS, CallSpec
 from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
 from app.reporting import (
+    RayMetricsExporter,
     TimelineRecord,
     Tracker,
     append_records,
+    append_samples,
     plan_json,
     plan_report,
     realloc_metrics,
     records_of,
     rollout_metrics,
+    rollout_samples,
     span,
     throughput,
     timing_metrics,
@@ -152,6 +155,7 @@ class Driver:
         self.tracker = Tracker(self.run_dir, project=cfg.tracking.project, run_name=self.run_dir.name,
                                config=cfg.model_dump(mode="json"), total_iterations=self.total_iterations,
                                wandb_enabled=cfg.tracking.wandb, console=cfg.tracking.console)
+        self.ray_metrics = RayMetricsExporter(self.run_dir.name)  # Gauges for the cluster's Prometheus
 
     def _write_plan(self) -> None:
         sim = simulate(self.problem, self.plan)
@@ -206,7 +210,7 @@ class Driver:
                 needed = shards_needed(placement, rank, self.plan[parent], parent_rows,
                                        all_rows or parent_rows != n_rows)
                 args.extend(outputs[parent].data_refs[o.rank] for o in needed)
-            meta_ref, data_ref = self.workers.actor(rank).run_call.options(num_returns=2).remote(spec, *args)
+            meta_ref, data_ref = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *args)
             metas.append(meta_ref)
             datas[rank] = data_ref
         return SubmittedOp(i, mfc.name, "call", op.ranks, tuple(metas), datas)
@@ -289,7 +293,8 @@ class Driver:
                 realloc_metas += metas[sub]
         if pending.checkpoint is not None:
             exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports)
+            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports,
+                          tokenizer_dir=self.cfg.data.tokenizer)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
@@ -302,6 +307,8 @@ class Driver:
             self.kl.update(metrics["actor/kl"], self._n_sequences())
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
+        self.ray_metrics.export(metrics, pending.iteration)
+        append_samples(self.run_dir / "samples.jsonl", pending.iteration, rollout_samples(call_metas, kinds))
         return {"iteration": float(pending.iteration), **metrics}
 
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:
@@ -377,6 +384,14 @@ class Driver:
             ray.shutdown()
 
 
+def call_options(spec: CallSpec) -> dict[str, Any]:
+    """Ray options of a call: two returns (meta, data); a model-free call (a rule reward: decode
+    and score) on the worker's own threads, so the worker's next GPU call runs meanwhile."""
+    if spec.op in MODEL_FREE_OPS:
+        return {"num_returns": 2, "concurrency_group": MODEL_FREE_GROUP}
+    return {"num_returns": 2}
+
+
 def prompt_shard(batch: list[PromptExample]) -> dict[str, Any]:
     """The generation call's input: rows 0..n-1 with prompt ids (int64 [p_i]), texts and answers."""
     import torch
@@ -396,4 +411,4 @@ def _cause(error: BaseException) -> str:
     return " ".join(text.split())[:2000]
 
 
-__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "prompt_shard"]
+__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "call_options", "prompt_shard"]

@@ -14,7 +14,6 @@ from typing import Any
 import ray
 
 from actors.worker import CallSpec, ModelWorker, placement_group_sets
-from app.run.cluster_check import worker_cpus
 from app.run.runtime import init_world, join_virtual_cluster
 from app.run.schedule import data_owners
 from cluster.placement import WorkerGroup, create_workers
@@ -36,7 +35,7 @@ class LayoutJob:
         join_virtual_cluster(virtual > 0)
         info = connect(RayStartOptions(virtual_gpus=virtual, include_dashboard=False))
         try:
-            nodes = select_nodes(info.nodes, 1, layout.world_size, worker_cpus(info.virtual))
+            nodes = select_nodes(info.nodes, 1, layout.world_size, info.cpus_per_worker)
         except ClusterShortfall as exc:
             raise ValueError(f"--layout {layout}: needs {layout.world_size} GPUs on one node; {exc}") from None
         cluster = ClusterSpec(1, layout.world_size, info.spec.hardware)
@@ -44,8 +43,8 @@ class LayoutJob:
         self.timeout_s = timeout_s
         self.workers: WorkerGroup | None = create_workers(
             ModelWorker, cluster, {"world_size": layout.world_size, "device": info.device},
-            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=worker_cpus(info.virtual),
-            name_prefix="job-worker", nodes=nodes,
+            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=info.cpus_per_worker,
+            gpus_per_worker=info.gpus_per_worker, name_prefix="job-worker", nodes=nodes,
         )
         try:
             init_world(self.workers, info.backend, timeout_s)

@@ -8,12 +8,12 @@ Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
 `connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; picks the planner's nodes of
-the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (the search runs in a `PlannerService` actor while the
-workers start), `start_workers` + `init_world` (one `ModelWorker` per GPU, torch.distributed
-rendezvous with a timeout), `setup_groups` (every process group the plan will use: each
-placement's layout groups and each reallocation's broadcast groups, created once, in one
-order, on every rank) and `load_models` (trained roles on their train placement, frozen roles
-on their first call's placement).
+the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (the search
+runs in a `PlannerService` actor while the workers start), `start_workers` + `init_world` (one
+`ModelWorker` per GPU, torch.distributed rendezvous with a timeout), `setup_groups` (every
+process group the plan will use: each placement's layout groups and each reallocation's
+broadcast groups, created once, in one order, on every rank) and `load_models` (trained roles
+on their train placement, frozen roles on their first call's placement).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from actors.worker import CONCURRENCY_GROUPS
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config, toy_preference_records
 from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources, search_error
 from app.data import (
@@ -38,7 +39,7 @@ from app.data import (
     load_tokenizer,
     tokenize_preferences,
 )
-from app.run.cluster_check import check_local_start, planner_nodes, worker_cpus
+from app.run.cluster_check import check_local_start, planner_nodes
 from app.run.schedule import home_placements, realloc_member_sets
 from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
@@ -194,8 +195,7 @@ def connect_cluster(cfg: ExperimentConfig) -> RayClusterInfo:
 
 def join_virtual_cluster(virtual: bool) -> None:
     """With virtual GPUs and RAY_ADDRESS set (e.g. `ray start --head --num-gpus 4` on a machine
-    without GPUs, then `ray job submit`), join that cluster here: `connect` refuses an address
-    with virtual GPUs (it would start its own instance) but reuses an initialised Ray."""
+    without GPUs, then `ray job submit`), join that cluster here (`connect` would join it too)."""
     address = os.environ.get("RAY_ADDRESS")
     if virtual and address and not ray.is_initialized():
         ray.init(address=address)
@@ -229,9 +229,9 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
     return create_workers(
         worker_cls, spec, {"world_size": spec.n_gpus, "device": info.device},
         rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
-        cpus_per_worker=worker_cpus(info.virtual),
+        cpus_per_worker=info.cpus_per_worker, gpus_per_worker=info.gpus_per_worker,
         env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
-        nodes=info.nodes,
+        nodes=info.nodes, concurrency_groups=CONCURRENCY_GROUPS,
     )
 
 

@@ -42,7 +42,6 @@ from app.config import ConfigError, load_config
 from app.reporting.timeline import read_records
 from app.reporting.tracking import read_metrics
 from app.run import Driver, DriverError
-from app.run.cluster_check import CPUS_PER_REAL_GPU
 from cluster.resources import ClusterShortfall, gpu_nodes, select_nodes
 from planning.hardware import hardware_preset
 from planning.layout import Layout, Mesh
@@ -102,10 +101,10 @@ def test_a_cluster_that_does_not_fit_fails_at_once_naming_what_is_missing(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cluster.virtual_gpus=False: torch sees no CUDA device on node(s)") and "\n" not in err
     assert "allowed: true" in err
-    # Real GPUs reserve a CPU per worker: with 1 CPU per node, a node of 2 GPUs is short of CPUs
-    # (checked as soon as a node is found with CUDA; here the check is called on its own).
+    # Real GPUs reserve a CPU per worker (RayClusterInfo.cpus_per_worker): with 1 CPU per node, a
+    # node of 2 GPUs is short of CPUs (checked once its GPUs are CUDA devices; here on its own).
     with pytest.raises(ClusterShortfall, match=r"with 2 CPUs each for their workers \(1 per GPU\), but only 0"):
-        select_nodes(gpu_nodes(ray.nodes()), 2, 2, CPUS_PER_REAL_GPU)
+        select_nodes(gpu_nodes(ray.nodes()), 2, 2, cpus_per_gpu=1.0)
     assert len(ray.util.placement_group_table()) == groups_before  # nothing was reserved
 
 
