@@ -7,8 +7,10 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   checkpoint  atomic checkpoints under `<run_dir>/checkpoints/iter_N/`: writing, listing, pruning
   resume      the run-directory rules, the driver's state in a checkpoint, restoring a run
   recovery    which failures a restart gets past, stall reports naming the rank, restart logs
-  collect     waiting for submitted operations: results, or the failure to report
+  cluster_check  the configured nodes x GPUs against the live Ray cluster (the planner's nodes)
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
+  failures    a lost Ray node named with the calls in flight on it
+  collect     waiting for submitted operations: results, or the failure to report
   driver      `Driver`: runs the plan's dataflow graph iteration after iteration, recovering
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """

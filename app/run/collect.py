@@ -3,6 +3,8 @@
 `wait_ops` returns every op's per-rank metadata, or raises a `WorkerFailure`
 (app.run.recovery) as soon as one fails or the ops stall:
 
+* a lost Ray node (app.run.failures): named with the operations in flight on it; not
+  recoverable (a restart could not reserve its GPUs);
 * a failure: the errors that arrive within FAILURE_SETTLE_S are compared, and the one reported
   is a dead worker's first, then an exception raised by code (fatal: a restart would not help),
   then a broken collective (usually a peer of the worker that failed); it is named with the op
@@ -22,7 +24,9 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from app.run.checkpoint import RNG_DIR, STATE_DIR
+from app.run.failures import explain_node_loss
 from app.run.recovery import WorkerFailure, describe_error, is_recoverable, probe_workers, stall_message
+from cluster.health import NODE_LOSS_WAIT_S
 from cluster.placement import WorkerGroup
 
 FAILURE_SETTLE_S = 5.0
@@ -81,6 +85,9 @@ def wait_ops(workers: WorkerGroup, ops: Sequence[SubmittedOp], later: Sequence[S
             try:
                 results[ref] = ray.get(ref)
             except RayError as error:
+                lost = explain_node_loss(workers.slots, [*ops, *later], error, min(timeout_s, NODE_LOSS_WAIT_S))
+                if lost is not None:  # the node is gone: a restart could not reserve its GPUs
+                    raise WorkerFailure(lost, "node", "", recoverable=False) from error
                 raise failure_of(workers, [*ops, *later], (ref, error), remaining, where) from error
     return {sub: [results[ref] for ref in sub.meta_refs] for sub in ops}
 
@@ -128,7 +135,11 @@ def first_unfinished(rank: int, ops: Sequence[SubmittedOp], reported: SubmittedO
 
 def stall_failure(workers: WorkerGroup, ops: Sequence[SubmittedOp], remaining: list[ray.ObjectRef], where: Where,
                   timeout_s: float) -> WorkerFailure:
-    """A recoverable WorkerFailure naming the rank(s) of the first stuck op that stopped."""
+    """A recoverable WorkerFailure naming the rank(s) of the first stuck op that stopped (a lost
+    node instead ends the run, naming it)."""
+    lost = explain_node_loss(workers.slots, ops, TimeoutError(), max_wait_s=0.0)
+    if lost is not None:
+        return WorkerFailure(lost, "node", "", recoverable=False)
     first = min((where[ref] for ref in remaining), key=lambda sr: list(ops).index(sr[0]))[0]
     stuck = [rank for sub, rank in (where[r] for r in remaining) if sub is first]
     message, stopped = stall_message(first.describe(), timeout_s, probe_workers(workers, stuck))

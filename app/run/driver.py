@@ -20,7 +20,8 @@ that broke with it, or a call that stalled (no operation finishing for `run.call
 the rank that stopped named) makes the driver restart every worker and resume from the latest
 complete checkpoint, up to `run.max_restarts` times (app.run.recovery). Any other failure, and
 the one past the limit, ends the run with a `DriverError` naming the operation, the iteration,
-the worker and the cause on one line. metrics.jsonl and timeline.jsonl are rewound to the
+the worker and the cause on one line; a lost Ray node ends it naming the node and the operations
+in flight on it (app.run.failures). metrics.jsonl and timeline.jsonl are rewound to the
 checkpoint, so they never hold a duplicate or a missing row.
 """
 
