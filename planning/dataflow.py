@@ -49,6 +49,8 @@ class MFC:
 
     role: which model (actor, critic, ref, reward). kind: generate | inference | train.
     n_minibatches: optimizer steps per train call (PPO minibatches x epochs); 1 otherwise.
+    recompute_forward: a train call that first recomputes the behaviour policy's logprobs with one
+        forward over the whole batch under its own layout (the PPO, GRPO and ReMax actors do).
     """
 
     name: str
@@ -58,6 +60,7 @@ class MFC:
     output_keys: tuple[str, ...]
     batch: BatchShape
     n_minibatches: int = 1
+    recompute_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -140,7 +143,7 @@ def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1) 
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         MFC("critic_inf", "critic", "inference", seq, ("values",), batch),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
-            ("actor_stats",), batch, n_mb),
+            ("actor_stats",), batch, n_mb, recompute_forward=True),
         MFC("critic_train", "critic", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
             ("critic_stats",), batch, n_mb),
     ))
@@ -157,7 +160,7 @@ def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> 
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards"), ("actor_stats",),
-            grouped, ppo_minibatches),
+            grouped, ppo_minibatches, recompute_forward=True),
     ))
 
 
@@ -182,5 +185,6 @@ def remax_graph(batch: BatchShape) -> Graph:
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
         # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
         MFC("actor_train", "actor", "train",
-            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch),
+            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch,
+            recompute_forward=True),
     ))
