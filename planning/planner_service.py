@@ -36,12 +36,12 @@ class PlannerService:
             raise ValueError(f"seconds={seconds}: the search budget must be positive")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps={max_steps}: must be >= 1 or None")
-        start = time.perf_counter()
+        began = time.perf_counter()
         try:
             return search_plan(problem, mode, seconds, seed, manual, options, max_steps, start=start)
         finally:
             self.searches += 1
-            self.busy_s += time.perf_counter() - start
+            self.busy_s += time.perf_counter() - began
 
     def stats(self) -> dict[str, float]:
         """Searches run so far and the seconds spent in them."""
