@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tests.dist_harness import run_distributed
 
 from actors.engine.model_engine import ModelEngine, SequenceBatch
-from actors.engine.optimizer import AdamWConfig, ShardedAdamW, lr_at
+from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, lr_at
 from actors.engine.pipeline import split_by_tokens
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, destroy_parallel_groups
 from actors.rl.losses import LossSums, value_loss
@@ -254,3 +254,37 @@ def test_sharded_adamw_alone_matches_torch_adamw() -> None:
         assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0
         torch.testing.assert_close(matrix.detach(), ref_matrix.detach(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(norm.detach(), ref_norm.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_sharded_adamw_state_moves_whole_and_continues_exactly() -> None:
+    """full_state -> load_full_state into an optimizer over other tensors (as after a move to
+    another layout): the next steps equal those of the optimizer that never moved."""
+    torch.manual_seed(1)
+    params = [("w", torch.nn.Parameter(torch.randn(4, 3))), ("norm.weight", torch.nn.Parameter(torch.ones(3)))]
+    config = AdamWConfig(lr=0.1, weight_decay=0.1, max_grad_norm=None)
+    stay = ShardedAdamW(params, config, None, None)
+
+    def step(opt: ShardedAdamW, x: torch.Tensor) -> None:
+        w, n = opt.params
+        ((x @ w) * n).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    inputs = [torch.randn(5, 4) for _ in range(4)]
+    for x in inputs[:2]:
+        step(stay, x)
+    copies = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in params]
+    moved = ShardedAdamW(copies, config, None, None)
+    for key in OPTIMIZER_STATE_KEYS:
+        whole = stay.full_state(key)
+        assert {k: tuple(v.shape) for k, v in whole.items()} == {"w": (4, 3), "norm.weight": (3,)}
+        moved.load_full_state(key, whole)
+    moved.steps_done = stay.steps_done
+    for x in inputs[2:]:
+        step(stay, x)
+        step(moved, x)
+    for (_, a), (_, b) in zip(params, copies):
+        torch.testing.assert_close(a.detach(), b.detach(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="allowed: master"):
+        stay.full_state("momentum")
