@@ -32,5 +32,11 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 [[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
   run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}" \
   ${PPO_ARGS:-}
+# Issue 12, on ONE H200 (the first GPU): estimated vs measured time and peak memory per call for
+# PPO and GRPO over 6 shapes, before and after self-calibration, and the issue's "Why" GRPO run
+# (5 iterations). Not in the default set: alone it takes ~8 minutes, e.g. on `nvidia-h200`:
+#   run(command="ONLY=fidelity bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200")
+[[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
+  run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" .
 exit 0
