@@ -129,8 +129,8 @@ def memory_overruns(records: Sequence[TimelineRecord], margin: float) -> list[st
         worst = max(measured, key=lambda r: r.peak_allocated_bytes or 0)
         assert worst.peak_allocated_bytes is not None and worst.est_peak_bytes is not None
         if worst.peak_allocated_bytes > worst.est_peak_bytes * (1.0 + margin):
-            lines.append(f"call {name} (iteration {worst.iteration}): measured peak {worst.peak_allocated_bytes / GiB:.2f} "
-                         f"GiB on rank {worst.rank} exceeds its estimate {worst.est_peak_bytes / GiB:.2f} GiB by more "
+            lines.append(f"call {name} (iteration {worst.iteration}): measured peak {worst.peak_allocated_bytes / GiB:.3g} "
+                         f"GiB on rank {worst.rank} exceeds its estimate {worst.est_peak_bytes / GiB:.3g} GiB by more "
                          f"than plan.memory_margin={margin:g}")
     return lines
 

@@ -6,6 +6,8 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   schedule    what the driver submits for one iteration and which shards each consumer gets
   checkpoint  HF exports of the trained models under `<run_dir>/checkpoints/iter_N/`
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
+  headroom    the plan's memory margin, checked before the first call
+  replan      self-calibration from measured calls, re-planning, switching plans between iterations
   driver      `Driver`: runs the plan's dataflow graph iteration after iteration
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """

@@ -3,9 +3,10 @@
 After `recalibrate_after` iterations the `Replanner` fits the cost model to what the run itself
 measured (`planning.calibrate`: efficiency factors from each call's seconds, the transient
 memory scale from its peak bytes), then searches again, starting from the plan being executed,
-in a `PlannerService` actor while training goes on. When the search answers, it compares the
-new plan with the current one under the same calibrated model: the run switches when the new
-one is estimated at least `plan.switch_gain` faster (a fraction), and keeps its plan otherwise.
+in a `PlannerService` actor while the next iteration runs (the decision is taken when that
+iteration is collected). It compares the new plan with the current one under the same
+calibrated model: the run switches when the new one is estimated at least `plan.switch_gain`
+faster (a fraction), and keeps its plan otherwise.
 Either way the decision (both estimates, the calibration and the reason) goes into the history
 (`plan.json`, `plan_history.jsonl`, `plan/*` metrics), and later estimates use the calibrated model.
 
@@ -42,6 +43,7 @@ from planning.realloc_plan import plan_reallocation
 from planning.simulate import simulate
 
 HISTORY_FILE = "plan_history.jsonl"
+SEARCH_GRACE_S = 120.0  # beyond plan.seconds: starting the planner actor, candidates, re-scoring
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,9 @@ class Replanner:
 
     def poll(self, iteration: int) -> PlanDecision | None:
         """Start the calibration and search once enough iterations are in; return the decision
-        the first time the search has answered (None before, and ever after)."""
+        once the search has answered (None before, and ever after). The search runs while the
+        next iteration does; at that iteration's collection the driver waits for it, so the
+        decision always comes one iteration after the calibration."""
         if not self.enabled or self._done:
             return None
         if self._search is None:
@@ -137,11 +141,12 @@ class Replanner:
                 self._start_search()
             return None
         planner, ref, calibration, problem = self._search
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
-            return None
+        ready, _ = ray.wait([ref], timeout=self.cfg.plan.seconds + SEARCH_GRACE_S)
         self._done = True
         try:
+            if not ready:
+                return self._decision(iteration, None, problem, calibration, math.inf,
+                                      "the re-plan search did not answer in time")
             result = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:  # no plan fits the calibrated model: keep ours
             return self._decision(iteration, None, problem, calibration, math.inf,
