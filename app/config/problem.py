@@ -58,10 +58,13 @@ def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
         block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
         if not isinstance(block, dict):
             raise ValueError(f"'efficiency' is a {type(block).__name__}, not an object")
+        above = {k: v for k, v in block.items() if isinstance(v, (int, float)) and v > 1.0}
+        if above:  # a profile measures fractions of its own peaks (only a run's calibration exceeds 1)
+            raise ValueError(f"factors above 1: {above}")
         return OpEfficiency.from_dict(block)
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError("plan.profile", cfg.plan.profile,
-                          f"a profile JSON whose 'efficiency' maps gemm/decode/comm/optimizer to (0, 4] ({exc})") from None
+                          f"a profile JSON whose 'efficiency' maps gemm/decode/comm/optimizer to (0, 1] ({exc})") from None
 
 
 def role_sources(cfg: ExperimentConfig) -> dict[str, tuple[str, ModelSource]]:
