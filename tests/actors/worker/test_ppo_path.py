@@ -576,7 +576,7 @@ def test_truncated_sampling_keeps_the_rollout_kl_to_an_identical_ref_at_zero(sam
 def _truncated_generation_ranks(rank: int, world_size: int) -> list[float] | None:
     """Generate with top-k under dp2, tp2 and pp2 on 2 gloo ranks; on rank 0, the largest gap
     between each layout's rollout logprobs and a serial full-distribution forward of those rows."""
-    from actors.worker.model_worker import placement_group_sets
+    from actors.worker.models import placement_group_sets
 
     torch.set_num_threads(1)
     both = Mesh(0, 2, 2)
