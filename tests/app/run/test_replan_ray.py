@@ -68,9 +68,8 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
     try:
         # Calibrated after iteration 0, decided when iteration 1 is collected, applied once
         # iteration 2 (submitted before the decision) is in: iteration 3 runs the new plan.
-        with pytest.warns(UserWarning, match="measured peak .* exceeds its estimate"):  # the probe's 3 MiB
-            for _ in range(3):
-                driver.step()
+        for _ in range(3):
+            driver.step()
         switched_at = driver._plan_since
         assert switched_at == 3 and not driver._pending
         new_plan = driver.plan
@@ -79,7 +78,10 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
         for role in ("actor", "critic"):
             home = driver._location[role]
             driver.workers.run("export", role, str(moved / role), ranks=list(home.mesh.gpus))
-        rows = [driver.step() for _ in range(MAX_ITERATIONS - switched_at)]
+        # The probe's 3 MiB exceeds the estimates of the spread-out plan's calls (the tiny models
+        # are 1-2 MiB per GPU there): a warning naming the call.
+        with pytest.warns(UserWarning, match="call .* measured peak .* exceeds its estimate"):
+            rows = [driver.step() for _ in range(MAX_ITERATIONS - switched_at)]
     finally:
         driver.close()
     before = tmp_path / "checkpoints" / f"iter_{switched_at}"  # written after the last old-plan training
