@@ -4,11 +4,16 @@ An MFC is one call on one model role: `generate`, `inference` or `train`. Edges 
 (a call consumes what another produces) and from parameter versions: a role's `train` call in
 iteration i must finish before any call on that role's weights in iteration i+1 (generation of
 i+1 waits for actor training of i). Builders exist for PPO, GRPO, DPO and ReMax.
+
+`prune_graph` removes work nobody needs: given the keys a configuration leaves unread (e.g. the
+reference logprobs when no KL term is on), it drops them from the consumers' inputs, then every
+call none of whose outputs a remaining call reads; train calls are the sinks and always stay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 CallKind = Literal["generate", "inference", "train"]
@@ -50,7 +55,9 @@ class MFC:
     role: which model (actor, critic, ref, reward). kind: generate | inference | train.
     n_minibatches: optimizer steps per train call (PPO minibatches x epochs); 1 otherwise.
     recompute_forward: a train call that first recomputes the behaviour policy's logprobs with one
-        forward over the whole batch under its own layout (the PPO, GRPO and ReMax actors do).
+        forward over the whole batch under its own layout (the PPO and GRPO actors with more than
+        one optimizer step; with one, the training forward's own logprobs serve, as
+        actors.worker.train.reuses_forward_logprobs says).
     """
 
     name: str
@@ -143,7 +150,7 @@ def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1) 
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         MFC("critic_inf", "critic", "inference", seq, ("values",), batch),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
-            ("actor_stats",), batch, n_mb, recompute_forward=True),
+            ("actor_stats",), batch, n_mb, recompute_forward=n_mb > 1),
         MFC("critic_train", "critic", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
             ("critic_stats",), batch, n_mb),
     ))
@@ -160,7 +167,7 @@ def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> 
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards"), ("actor_stats",),
-            grouped, ppo_minibatches, recompute_forward=True),
+            grouped, ppo_minibatches, recompute_forward=ppo_minibatches > 1),
     ))
 
 
@@ -185,6 +192,23 @@ def remax_graph(batch: BatchShape) -> Graph:
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
         # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
         MFC("actor_train", "actor", "train",
-            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch,
-            recompute_forward=True),
+            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch),
     ))
+
+
+def prune_graph(graph: Graph, unread: Iterable[str] = ()) -> Graph:
+    """`graph` without the input keys `unread` and without the calls whose outputs nobody reads.
+
+    A call stays when it trains (the weight update is the point of an iteration) or when a call
+    that stays reads one of its outputs; removal repeats until nothing changes, so a producer
+    that fed only a dropped call goes too. Calls keep their order; the graph's own checks (every
+    input produced earlier) still hold because only readers' inputs and unread producers go.
+    """
+    drop = set(unread)
+    calls = [replace(m, input_keys=tuple(k for k in m.input_keys if k not in drop)) for m in graph.mfcs]
+    while True:
+        read = {k for m in calls for k in m.input_keys}
+        kept = [m for m in calls if m.kind == "train" or read & set(m.output_keys)]
+        if len(kept) == len(calls):
+            return Graph(graph.algorithm, tuple(kept), graph.dataset_keys)
+        calls = kept

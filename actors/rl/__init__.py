@@ -19,6 +19,7 @@ from actors.rl.advantages import (
 )
 from actors.rl.losses import (
     LossSums,
+    aggregate,
     combine_losses,
     dpo_loss,
     entropy_term,
@@ -35,6 +36,6 @@ __all__ = [
     "broadcast_to_tokens", "grpo_outcome_advantages", "make_kl_controller", "masked_whiten", "ppo_advantages",
     "remax_advantages", "token_level_rewards",
     # losses.py
-    "LossSums", "combine_losses", "dpo_loss", "entropy_term", "kl_loss", "kl_penalty", "ppo_policy_loss",
+    "LossSums", "aggregate", "combine_losses", "dpo_loss", "entropy_term", "kl_loss", "kl_penalty", "ppo_policy_loss",
     "sequence_logprob_sums", "sft_loss", "value_loss",
 ]

@@ -20,7 +20,7 @@ from actors.worker.models import placement_group_sets
 from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
 from actors.worker.execution import plan_micro_batching
 from actors.worker.calls import CallSpec
-from actors.worker.model_worker import ModelWorker
+from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
     ProfileSettings,
@@ -40,7 +40,7 @@ __all__ = [
     # calls.py
     "CallSpec",
     # model_worker.py
-    "ModelWorker",
+    "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker",
     # profiler.py
     "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
     # profile_fit.py

@@ -92,6 +92,11 @@ CALL_OPS = {
     "dpo_actor": run_dpo_actor,
 }
 MODEL_FREE_OPS = ("rule_reward",)
+# Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
+# overlapping the worker's next GPU call; they join no collective and are pure functions of
+# their inputs, so neither the collective order nor any number changes.
+MODEL_FREE_GROUP = "model_free"
+CONCURRENCY_GROUPS = {MODEL_FREE_GROUP: 2}
 
 
 class ModelWorker:
@@ -365,8 +370,10 @@ class ModelWorker:
             dp_rank, tp_rank, pp_rank = placement.layout.coords(mesh_rank)
             groups = ParallelGroups(placement.layout, dp_rank, tp_rank, pp_rank, None, None, None, None, None,
                                     (self.rank,), (self.rank,))
-            ctx = CallContext(call, None, groups, mesh_rank, self.device)
-            return timed(CALL_OPS[op], ctx, inputs, self.memory_probe)
+            # A host device: timing must not synchronise the GPU the default group is using, and
+            # no memory probe (it may run beside a GPU call, whose peak a reset would spoil).
+            ctx = CallContext(call, None, groups, mesh_rank, torch.device("cpu"))
+            return timed(CALL_OPS[op], ctx, inputs)
         state = self._role(call.role)
         self._ensure_copy(call, state)
         engine = state.engines[placement]
@@ -414,4 +421,4 @@ class ModelWorker:
         return {"role": role, "path": str(path), "seconds": time.perf_counter() - start}
 
 
-__all__ = ["CALL_OPS", "ModelWorker"]
+__all__ = ["CALL_OPS", "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker"]

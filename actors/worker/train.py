@@ -12,6 +12,12 @@ Hyperparameters come from CallSpec.params (app/algorithms/* fill them; names as 
 kl_coef, kl_estimator, gamma, lam, whiten, clip_eps, clip_eps_high, dual_clip, value_clip,
 entropy_coef, kl_loss_coef (GRPO), loss_agg, ppo_epochs, ppo_minibatches, shuffle, seed,
 temperature, micro_batches, no_eos_penalty, recompute_logprobs.
+
+Old logprobs: with recompute_logprobs (the default), one minibatch and one epoch, the actor
+takes them from its training forward (detached) instead of a separate forward pass over every
+token: that step's weights are the ones the recomputation would use, so the ratios are exactly
+1 and the gradient is the recomputing path's (`reuses_forward_logprobs`). With more minibatches
+or epochs the weights move between steps and the old logprobs are recomputed first.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import Tensor
 from actors.engine import LossFn, SequenceBatch
 from actors.rl import (
     LossSums,
+    aggregate,
     broadcast_to_tokens,
     combine_losses,
     dpo_loss,
@@ -165,8 +172,13 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     return out
 
 
-def policy_loss_fn(params: dict[str, Any]) -> LossFn:
-    """Clipped PPO surrogate (+ entropy bonus, + GRPO's KL loss) on one micro-batch."""
+def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> LossFn:
+    """Clipped PPO surrogate (+ entropy bonus, + GRPO's KL loss) on one micro-batch.
+
+    old_from_forward: the old logprobs are this forward's own, detached (`reuses_forward_logprobs`),
+    so every ratio is exactly 1; the statistic old_logprob_diff then compares them with the
+    sampling logprobs (token data "sample_logprobs") as the recomputing path does afterwards.
+    """
     clip_eps = float(params.get("clip_eps", 0.2))
     clip_high = params.get("clip_eps_high")
     dual = params.get("dual_clip")
@@ -177,16 +189,31 @@ def policy_loss_fn(params: dict[str, Any]) -> LossFn:
 
     def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
         cu, mask = data["cu_seqlens"], data["mask"]
-        terms = [(1.0, ppo_policy_loss(logprobs, data["old_logprobs"], data["advantages"], mask, clip_eps,
+        old = logprobs.detach() if old_from_forward else data["old_logprobs"]
+        terms = [(1.0, ppo_policy_loss(logprobs, old, data["advantages"], mask, clip_eps,
                                        None if clip_high is None else float(clip_high),
                                        None if dual is None else float(dual), agg, cu))]
         if entropy_coef > 0:
             terms.append((-entropy_coef, entropy_term(data["entropy"], mask, agg, cu)))
         if kl_coef > 0:
             terms.append((kl_coef, kl_loss(logprobs, data["ref_logprobs"], mask, estimator, agg, cu)))
-        return combine_losses(terms)
+        total = combine_losses(terms)
+        if not old_from_forward:
+            return total
+        diff, _ = aggregate((old - data["sample_logprobs"]).abs(), mask, agg, cu)
+        return LossSums(total.loss, total.count, {**total.stats, "old_logprob_diff": diff})
 
     return loss
+
+
+def reuses_forward_logprobs(params: dict[str, Any]) -> bool:
+    """Whether the actor takes its old logprobs from the training forward itself instead of a
+    separate forward pass: with recomputation on, one minibatch and one epoch, the only
+    optimizer step runs its forward on exactly the weights the recomputation would use, so the
+    two are the same numbers (up to float summation order) and the extra pass over every token
+    is wasted work. TRL (num_iterations=1, one step per generation) and veRL do the same."""
+    return (bool(params.get("recompute_logprobs", True)) and int(params.get("ppo_minibatches", 1)) == 1
+            and int(params.get("ppo_epochs", 1)) == 1)
 
 
 def old_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
@@ -204,17 +231,24 @@ def old_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
 
 
 def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float]) -> tuple[dict, None]:
-    """Policy optimisation on `advantages` [T] (shared by PPO, GRPO and ReMax)."""
-    old = old_logprobs(ctx, r)
-    token_data = {"mask": r.mask, "old_logprobs": old, "advantages": advantages * r.mask}
+    """Policy optimisation on `advantages` [T] (shared by PPO, GRPO and ReMax). The old logprobs
+    are recomputed first, or taken from the training forward (`reuses_forward_logprobs`)."""
+    reuse = reuses_forward_logprobs(ctx.params)
+    token_data = {"mask": r.mask, "advantages": advantages * r.mask}
+    if reuse:
+        token_data["sample_logprobs"] = r.logprobs
+    else:
+        old = old_logprobs(ctx, r)
+        token_data["old_logprobs"] = old
     if r.ref_logprobs is not None:
         token_data["ref_logprobs"] = r.ref_logprobs
     if float(ctx.params.get("kl_loss_coef", 0.0)) > 0 and r.ref_logprobs is None:
         raise ValueError(f"call {ctx.call.name}: kl_loss_coef > 0 needs 'ref_logprobs' from the ref call")
     batch = SequenceBatch(r.tokens, r.lengths, token_data)
     with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
-    metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params), "actor", with_entropy)
-    metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
+    metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params, old_from_forward=reuse), "actor", with_entropy)
+    if not reuse:
+        metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
     return {**extra, **metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None
 
 
@@ -338,7 +372,8 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
 
 
 __all__ = [
-    "Rollout", "load_rollout", "minibatch_rows", "policy_loss_fn", "ppo_returns", "rollout_metrics",
+    "Rollout", "load_rollout", "minibatch_rows", "policy_loss_fn", "ppo_returns", "reuses_forward_logprobs",
+    "rollout_metrics",
     "run_grpo_actor", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
     "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
-from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, remax_graph
+from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, prune_graph, remax_graph
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
@@ -25,8 +25,8 @@ FROZEN_BYTES_PER_PARAM = 2
 TRAINED_BYTES_PER_PARAM = 2 + 2 + OPTIMIZER_BYTES_PER_PARAM
 
 
-def build_graph(cfg: ExperimentConfig) -> Graph:
-    """The algorithm's dataflow graph for the configured batch."""
+def algorithm_graph(cfg: ExperimentConfig) -> Graph:
+    """The algorithm's full dataflow graph for the configured batch (before pruning)."""
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
     if cfg.algorithm == "ppo":
@@ -36,6 +36,26 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
     if cfg.algorithm == "dpo":
         return dpo_graph(shape)
     return remax_graph(shape)
+
+
+def build_graph(cfg: ExperimentConfig) -> Graph:
+    """The graph that runs: `algorithm_graph` without the calls whose outputs no loss reads under
+    this config (`unread_keys`). The planner and the driver both get this graph, so a dropped
+    call is neither planned, loaded nor run."""
+    return prune_graph(algorithm_graph(cfg), unread_keys(cfg))
+
+
+def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """Data keys that no loss reads under this config: the reference logprobs when the
+    algorithm's KL term is off (GRPO: grpo.kl_loss_coef = 0, its reward carries no KL penalty;
+    ReMax: ppo.kl_coef = 0). Their only other reader, the actor/kl metric, then goes too, as
+    in TRL with beta = 0. PPO keeps its reference: actor/kl is its KL monitor and the adaptive
+    controller's input. DPO's loss always reads it."""
+    if cfg.algorithm == "grpo" and cfg.grpo.kl_loss_coef == 0:
+        return ("ref_logprobs",)
+    if cfg.algorithm == "remax" and cfg.ppo.kl_coef == 0:
+        return ("ref_logprobs",)
+    return ()
 
 
 def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
@@ -135,8 +155,10 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
     if cfg.plan.mode != "manual" or not cfg.plan.manual:
         return None
     calls = [m.name for m in problem.graph.mfcs]
+    # A placement for a call the config prunes (e.g. ref_inf without a KL term) is not needed.
+    pruned = {m.name for m in algorithm_graph(cfg).mfcs} - set(calls)
     for name in cfg.plan.manual:
-        if name not in calls:
+        if name not in calls and name not in pruned:
             raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
                               problem="unknown call")
     missing = [name for name in calls if name not in cfg.plan.manual]

@@ -34,7 +34,7 @@ import ray
 from ray.exceptions import RayError
 
 from actors.rl import make_kl_controller
-from actors.worker import CallSpec
+from actors.worker import MODEL_FREE_GROUP, MODEL_FREE_OPS, CallSpec
 from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
@@ -222,7 +222,7 @@ class Driver:
                 needed = shards_needed(placement, rank, self.plan[parent], parent_rows,
                                        all_rows or parent_rows != n_rows)
                 args.extend(outputs[parent].data_refs[o.rank] for o in needed)
-            meta_ref, data_ref = self.workers.actor(rank).run_call.options(num_returns=2).remote(spec, *args)
+            meta_ref, data_ref = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *args)
             metas.append(meta_ref)
             datas[rank] = data_ref
         return SubmittedOp(i, mfc.name, "call", op.ranks, tuple(metas), datas)
@@ -423,6 +423,14 @@ class Driver:
             ray.shutdown()
 
 
+def call_options(spec: CallSpec) -> dict[str, Any]:
+    """Ray options of a call: two returns (meta, data); a model-free call (a rule reward: decode
+    and score) on the worker's own threads, so the worker's next GPU call runs meanwhile."""
+    if spec.op in MODEL_FREE_OPS:
+        return {"num_returns": 2, "concurrency_group": MODEL_FREE_GROUP}
+    return {"num_returns": 2}
+
+
 def prompt_shard(batch: list[PromptExample]) -> dict[str, Any]:
     """The generation call's input: rows 0..n-1 with prompt ids (int64 [p_i]), texts and answers."""
     import torch
@@ -442,4 +450,4 @@ def _cause(error: BaseException) -> str:
     return " ".join(text.split())[:2000]
 
 
-__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "prompt_shard"]
+__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "call_options", "prompt_shard"]

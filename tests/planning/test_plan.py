@@ -103,6 +103,7 @@ def test_memory_margin_and_scale_shrink_what_fits() -> None:
 def test_actor_train_prices_the_logprob_recompute() -> None:
     graph = ppo_graph(BatchShape(64, 128, 256), 4)
     assert graph.mfc("actor_train").recompute_forward and not graph.mfc("critic_train").recompute_forward
+    assert not ppo_graph(BatchShape(64, 128, 256), 1).mfc("actor_train").recompute_forward  # reuses its forward
     problem = rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), model_preset("llama3.2-1b"))
     actor = call_cost(problem, graph.mfc("actor_train"), ONE)
     plain = call_cost(problem, replace(graph.mfc("actor_train"), recompute_forward=False), ONE,

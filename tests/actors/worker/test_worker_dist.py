@@ -24,8 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.worker.model_worker import CallSpec, ModelWorker
-from actors.worker.models import placement_group_sets
+from actors.worker import CallSpec, ModelWorker, placement_group_sets
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -110,7 +109,7 @@ class MiniDriver:
         self.move("actor", "actor_home", "actor_gen")
         _, gen = self.call("actor_gen", "actor", "generate", "actor_gen", it, GEN, [prompts])
         self.release("actor", "actor_home", "actor_gen")
-        rew_params = {"reward_fn": "app.data.toy_task:toy_reward"}
+        rew_params = {"reward_fn": "app.data.toy_task:toy_reward", "tokenizer": GEN["tokenizer"]}
         _, rew = self.call("rew_inf", "reward", "inference", "rew_inf", it, rew_params, gen)
         ref_place = "ref_alt" if it % 2 else "ref"  # odd iterations: the frozen ref moves away and back
         self.move("ref", "ref", ref_place)
