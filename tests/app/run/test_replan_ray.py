@@ -10,7 +10,8 @@ plan_history.jsonl and in the metrics; the actor's and critic's weights exported
 switch (from their new homes) equal the checkpoint written right before it (from GPU 0); training
 goes on under the new plan (its calls run on the new placements, its metrics stay finite); call
 records carry the plan's estimates, and the worker's memory probe (injected: CPU has none)
-reaches timeline.jsonl, the memory metrics and timings.json.
+reaches timeline.jsonl, the memory metrics and timings.json (for every call but the rule reward,
+which runs on the worker's threads beside GPU calls and measures no peak).
 """
 
 from __future__ import annotations
@@ -106,12 +107,14 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
     assert {r.name for r in records if r.kind == "realloc" and r.name.startswith("replan:")} >= {
         "replan:actor", "replan:critic"}
     calls = [r for r in records if r.kind == "call"]
-    assert all(r.est_s and r.est_s > 0 and r.est_peak_bytes and r.peak_allocated_bytes == FAKE_PEAK.allocated_bytes
-               for r in calls)
+    assert all(r.est_s and r.est_s > 0 and r.est_peak_bytes for r in calls)
+    # The rule reward runs beside GPU calls on the worker's threads: no probe, no peak.
+    assert all(r.peak_allocated_bytes == (None if r.name == "rew_inf" else FAKE_PEAK.allocated_bytes) for r in calls)
     metrics = read_metrics(tmp_path)
     assert any(m.get("plan/switched") == 1.0 for m in metrics)
     assert all(m["memory/actor_train_peak_gib"] == pytest.approx(3 / 1024) for m in metrics)
     assert all(m["memory/actor_train_est_gib"] > 0 and m["timing_est_s/actor_gen"] > 0 for m in metrics)
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert {row["call"] for row in timings} == set(CALLS)
-    assert all(row["measured_peak_gib"] == pytest.approx(3 / 1024) and row["estimated_peak_gib"] > 0 for row in timings)
+    assert all(row["estimated_peak_gib"] > 0 for row in timings)
+    assert all(row["measured_peak_gib"] == pytest.approx(3 / 1024) for row in timings if row["call"] != "rew_inf")
