@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
