@@ -37,10 +37,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import yaml  # noqa: E402
+import yaml
 
-from app.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from app.reporting.timeline import TimelineRecord, read_records  # noqa: E402
+from app.config import ConfigError, ExperimentConfig, load_config
+from app.reporting.timeline import TimelineRecord, read_records
 
 RECALIBRATE_AFTER = 2  # iterations 0 (warm-up) and 1 measured, the decision when iteration 2 is in
 ITERATIONS = 3

@@ -162,4 +162,4 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: i
     return (a + b) / 2.0
 
 
-__all__ = ["CallMeasurement", "Calibration", "MEMORY_SCALE_RANGE", "MIN_FACTOR", "calibrate", "calibrated_problem"]
+__all__ = ["MEMORY_SCALE_RANGE", "MIN_FACTOR", "Calibration", "CallMeasurement", "calibrate", "calibrated_problem"]

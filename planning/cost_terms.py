@@ -16,7 +16,6 @@ from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.models import ModelSpec, kv_replicated, pipeline_partition, validate_tp
 
-
 # Ceiling of an efficiency factor. Profiles measure fractions of their own peaks (<= 1); a run's
 # self-calibration (`planning.calibrate`) may find a machine faster than its preset says (> 1).
 MAX_EFFICIENCY = 4.0

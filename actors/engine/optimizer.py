@@ -261,4 +261,4 @@ class ShardedAdamW:
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
 
 
-__all__ = ["AdamWConfig", "OPTIMIZER_STATE_KEYS", "ShardedAdamW", "adamw_config_from", "lr_at"]
+__all__ = ["OPTIMIZER_STATE_KEYS", "AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

@@ -39,8 +39,6 @@ from torch import Tensor
 
 from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
 from actors.generation import GenerationConfig, SamplingParams
-from actors.worker.execution import MicroBatching, generate_in_rounds, generation_rounds, plan_micro_batching
-from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from actors.worker.data import (
     dp_rows,
     gather_responses,
@@ -52,6 +50,8 @@ from actors.worker.data import (
     pack_rows,
     reward_score,
 )
+from actors.worker.execution import MicroBatching, generate_in_rounds, generation_rounds, plan_micro_batching
+from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from planning.plan import CallExecution, Placement, check_execution_kind
 
 KINDS = ("generate", "inference", "train")
@@ -351,7 +351,7 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 
 __all__ = [
-    "CallContext", "CallSpec", "KINDS", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
-    "generation_seed", "micro_batching",
-    "owner_result", "run_generate", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "timed",
+    "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
+    "generation_seed", "micro_batching", "owner_result", "run_generate", "run_logprobs", "run_model_reward",
+    "run_rule_reward", "run_values", "timed",
 ]

@@ -51,8 +51,6 @@ from actors.engine import (
     norm_excluded_names,
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
-from actors.worker.memory import MemoryProbe, memory_probe_for
-from actors.worker.rehome import move_trained_home
 from actors.worker.calls import (
     CallContext,
     CallSpec,
@@ -63,6 +61,7 @@ from actors.worker.calls import (
     run_values,
     timed,
 )
+from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
     assemble_full_state,
@@ -73,6 +72,7 @@ from actors.worker.models import (
     shards_of,
     unbind_shards,
 )
+from actors.worker.rehome import move_trained_home
 from actors.worker.train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement

@@ -307,7 +307,7 @@ def timing_table(records: Sequence[TimelineRecord], problem: PlanningProblem, pl
 
 
 __all__ = [
-    "CallEstimate", "GANTT_MAX_ITERATIONS", "TimelineRecord", "append_records", "call_estimates", "fidelity_metrics",
+    "GANTT_MAX_ITERATIONS", "CallEstimate", "TimelineRecord", "append_records", "call_estimates", "fidelity_metrics",
     "measured_bars", "memory_overruns", "read_records", "records_of", "rollout_metrics", "span", "throughput",
     "timing_metrics", "timing_table", "write_gantt",
 ]

@@ -21,7 +21,7 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "fidelity.json").read_text())
     assert [r["shape"]["name"] for r in results] == ["tiny-ppo", "tiny-why-grpo"]

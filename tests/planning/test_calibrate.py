@@ -7,19 +7,20 @@ from dataclasses import replace
 import pytest
 
 from planning.calibrate import CallMeasurement, calibrate, calibrated_problem
-from planning.cost import call_cost_levels, rlhf_problem
+from planning.cost import PlanningProblem, call_cost_levels, rlhf_problem
 from planning.cost_terms import OpEfficiency
 from planning.dataflow import BatchShape, grpo_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec
 from planning.models import model_preset
+from planning.plan import ExecutionPlan
 from planning.search import search_plan
 from planning.simulate import simulate
 
 pytestmark = pytest.mark.unit
 
 
-def _problem_and_plan():  # noqa: ANN202 - (PlanningProblem, ExecutionPlan)
+def _problem_and_plan() -> tuple[PlanningProblem, ExecutionPlan]:
     graph = grpo_graph(BatchShape(32, 128, 256), 8, 1)
     problem = rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), model_preset("llama3.2-1b"))
     return problem, search_plan(problem, seconds=1.0, max_steps=200).plan

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from planning.cost import call_cost, call_cost_levels, rlhf_problem, split_of
+from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem, split_of
 from planning.dataflow import BatchShape, grpo_graph, ppo_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 ONE = Placement(Mesh(0, 1, 1), Layout())
 
 
-def why_problem(margin: float = 0.0):  # noqa: ANN201 - a PlanningProblem
+def why_problem(margin: float = 0.0) -> PlanningProblem:
     """The issue's GRPO shape on one H200: 64 prompts x 8 samples, 128 + 512 tokens, 1B models."""
     graph = grpo_graph(BatchShape(64, 128, 512), 8, 1)
     problem = rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), model_preset("llama3.2-1b"))

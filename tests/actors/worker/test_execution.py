@@ -60,9 +60,9 @@ def _generate(worker: ModelWorker, execution: CallExecution | None) -> tuple[dic
 
 
 def test_rounds_and_budgets_from_the_plan() -> None:
-    assert generation_rounds(CallExecution(gen_rounds=3), 7) == [range(0, 2), range(2, 4), range(4, 7)]
-    assert generation_rounds(None, 5) == [range(0, 5)]
-    assert generation_rounds(CallExecution(gen_rounds=9), 2) == [range(0, 1), range(1, 2)]
+    assert generation_rounds(CallExecution(gen_rounds=3), 7) == [range(2), range(2, 4), range(4, 7)]
+    assert generation_rounds(None, 5) == [range(5)]
+    assert generation_rounds(CallExecution(gen_rounds=9), 2) == [range(1), range(1, 2)]
     assert plan_micro_batching(CallExecution(micro_batch_tokens=100), None, pp=2).tokens == 100
     assert plan_micro_batching(CallExecution(micro_batch_tokens=100), None, pp=2).n_micro == 1
     unplanned = plan_micro_batching(None, None, pp=2)  # a one-off job: the cost model's cap, >= pp

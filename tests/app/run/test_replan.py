@@ -14,7 +14,7 @@ from app.config.experiment import ConfigError, load_config
 from app.reporting.timeline import TimelineRecord
 from app.run.headroom import check_headroom
 from app.run.replan import PlanDecision, Replanner, judge, switch_groups, switch_moves
-from app.run.runtime import preflight
+from app.run.runtime import TrainInputs, preflight
 from app.run.schedule import home_placements
 from planning.calibrate import calibrate, calibrated_problem
 from planning.layout import Layout, Mesh
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
 ALL = Placement(Mesh(0, 4, 4), Layout(dp=4))
 
 
-def tiny_inputs(*overrides: str):  # noqa: ANN201 - TrainInputs
+def tiny_inputs(*overrides: str) -> TrainInputs:
     return preflight(load_config(DEFAULT_CONFIG, list(overrides)))
 
 
