@@ -2,7 +2,8 @@
 
 The cluster is covered by one placement group per node: M bundles `{"GPU": 1, "CPU": k}`,
 STRICT_PACK, so a node's GPUs are reserved together (virtual GPUs too: Ray counts them as
-resources). Worker `node * M + local` is created in bundle `local` of node `node`'s group and
+resources; on a cluster without GPU resources virtual GPUs are `{"CPU": slot}` bundles, see
+`cluster.resources`). Worker `node * M + local` is created in bundle `local` of node `node`'s group and
 named `worker-n{node}-g{local}`, which is what the Ray dashboard shows. The global rank of a
 worker equals its global GPU index, so a mesh's GPUs are the workers with those ranks.
 
@@ -27,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.resources import gpu_nodes
+from cluster.resources import node_order
 from planning.layout import ClusterSpec
 
 # Env vars every worker gets: NVLink SHARP / multicast stays off (the lent H200 hosts do not
@@ -204,6 +205,7 @@ def create_workers(
     *,
     rank_kwargs: Sequence[Mapping[str, Any]] | None = None,
     cpus_per_worker: float = 0.0,
+    gpus_per_worker: float = 1.0,
     name_prefix: str = "worker",
     ready_timeout_s: float = 300.0,
     concurrency_groups: Mapping[str, int] | None = None,
@@ -215,13 +217,15 @@ def create_workers(
     env_vars: extra environment of every worker, over `worker_env_vars()`'s defaults.
     cpus_per_worker: the CPU share k of each bundle and actor (0 is allowed: on a CPU box with
         virtual GPUs the cores are too few to reserve one per worker).
+    gpus_per_worker: the GPU share of each bundle and actor: 1, or 0 where virtual GPUs are CPU
+        slots of a cluster without GPU resources (`RayClusterInfo.gpus_per_worker`).
     concurrency_groups: Ray concurrency groups (name -> threads) besides the default one, whose
         single thread keeps the submission order; a method call submitted with
         `.options(concurrency_group=name)` runs on that group's threads.
     Waits until every constructor has run; a constructor that raises gives `WorkerCallError`.
     """
-    _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, env_vars)
-    groups = reserve_nodes(cluster_spec, cpus_per_worker, name_prefix, ready_timeout_s)
+    _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, gpus_per_worker, env_vars)
+    groups = reserve_nodes(cluster_spec, cpus_per_worker, name_prefix, ready_timeout_s, gpus_per_worker)
     env = worker_env_vars(env_vars)
     remote_cls = ray.remote(concurrency_groups=dict(concurrency_groups))(cls) if concurrency_groups else ray.remote(cls)
     actors, slots = [], []
@@ -232,7 +236,7 @@ def create_workers(
             kwargs = {**ctor_kwargs, **(rank_kwargs[rank] if rank_kwargs is not None else {})}
             actor = remote_cls.options(
                 name=slot.name,
-                num_gpus=1,
+                num_gpus=gpus_per_worker,
                 num_cpus=cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
                 runtime_env={"env_vars": env},
@@ -250,14 +254,14 @@ def create_workers(
 
 
 def reserve_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, name_prefix: str,
-                  ready_timeout_s: float) -> list[PlacementGroup]:
+                  ready_timeout_s: float, gpus_per_worker: float = 1.0) -> list[PlacementGroup]:
     """One STRICT_PACK placement group per node, returned in the cluster's node order.
 
-    Ray picks the node of each group; the groups are then sorted by the node order of
-    `cluster.resources.gpu_nodes` (head first, then IP), so planner node i is the same machine
-    `describe_cluster` called node i.
+    Ray picks the node of each group; the groups are then sorted by `cluster.resources.node_order`
+    (head first, then IP), so planner node i is the same machine `describe_cluster` called node i.
     """
-    bundle = {"GPU": 1.0, "CPU": float(cpus_per_worker)}
+    shares = {"GPU": float(gpus_per_worker), "CPU": float(cpus_per_worker)}
+    bundle = {name: amount for name, amount in shares.items() if amount > 0}
     groups = [
         placement_group([dict(bundle) for _ in range(cluster_spec.gpus_per_node)], strategy="STRICT_PACK",
                         name=f"{name_prefix}-pg{i}")
@@ -272,7 +276,7 @@ def reserve_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, name_prefix
             f"placement groups for {cluster_spec.nodes} node(s) x {cluster_spec.gpus_per_node} bundles "
             f"{bundle} not ready after {ready_timeout_s} s: the Ray cluster lacks these resources"
         ) from None
-    node_order = [n.node_id for n in gpu_nodes(ray.nodes())]
+    order = node_order(ray.nodes())
     node_of_group = [placement_group_table(g)["bundles_to_node_id"][0] for g in groups]
     if len(set(node_of_group)) != len(groups):
         for g in groups:
@@ -281,17 +285,21 @@ def reserve_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, name_prefix
             f"two placement groups of {cluster_spec.gpus_per_node} GPUs landed on one node: the nodes hold "
             f"more GPUs than cluster gpus_per_node={cluster_spec.gpus_per_node}; set it to the real count"
         )
-    return [g for _, g in sorted(zip(node_of_group, groups), key=lambda pair: node_order.index(pair[0]))]
+    return [g for _, g in sorted(zip(node_of_group, groups), key=lambda pair: order.index(pair[0]))]
 
 
 def _validate_create_args(cls: type, cluster_spec: ClusterSpec, rank_kwargs: Sequence[Mapping[str, Any]] | None,
-                          cpus_per_worker: float, env_vars: Mapping[str, str] | None) -> None:
+                          cpus_per_worker: float, gpus_per_worker: float, env_vars: Mapping[str, str] | None) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"cls={cls!r}: must be a plain class (ray.remote is applied by create_workers)")
     if rank_kwargs is not None and len(rank_kwargs) != cluster_spec.n_gpus:
         raise ValueError(f"rank_kwargs has {len(rank_kwargs)} entries; the cluster has {cluster_spec.n_gpus} GPUs")
     if cpus_per_worker < 0:
         raise ValueError(f"cpus_per_worker={cpus_per_worker}: must be >= 0")
+    if gpus_per_worker not in (0.0, 1.0):
+        raise ValueError(f"gpus_per_worker={gpus_per_worker}: must be 1 (one GPU per worker) or 0 (CPU slots)")
+    if gpus_per_worker == 0 and cpus_per_worker <= 0:
+        raise ValueError("gpus_per_worker=0 needs cpus_per_worker > 0: a placement bundle must reserve something")
     for key, value in (env_vars or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"env_vars[{key!r}]={value!r}: names and values must be strings")

@@ -8,7 +8,9 @@ number of GPUs, and picks a `HardwareSpec` preset for the cost model.
 
 Without GPUs, `virtual_gpus=N` starts a local Ray whose only node advertises N "GPU" resources.
 Workers placed on them run on CPU with gloo, and the hardware preset is "cpu". That is how the
-tests and the quick-start run.
+tests and the quick-start run. A job that asks for virtual GPUs on a Ray cluster advertising none
+(`ray start --head` with default settings on a machine without GPUs, then `ray job submit`) gets
+N CPU slots of one node instead: each virtual GPU is a bundle of `VIRTUAL_SLOT_CPU` CPUs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ GPU_NAME_TO_PRESET: tuple[tuple[str, str], ...] = (
 DEFAULT_GPU_PRESET = "h100-80g"
 VIRTUAL_GPU_PRESET = "cpu"
 HEAD_NODE_RESOURCE = "node:__internal_head__"
+# The CPU share standing for one virtual GPU on a cluster without GPU resources: small, so a
+# default 2-CPU node holds the tiny experiment's 4 workers (they compute on shared cores anyway).
+VIRTUAL_SLOT_CPU = 0.01
 # The directory holding the planning/, actors/, cluster/ and app/ packages.
 PACKAGES_ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,11 +93,27 @@ class RayClusterInfo:
     """The Ray cluster as the planner and the placement code see it.
 
     `nodes[i]` is planner node i: global GPUs `i * gpus_per_node ... (i + 1) * gpus_per_node - 1`.
+    cpu_slots: the virtual GPUs are CPU slots (`VIRTUAL_SLOT_CPU` each) because no node of the
+    cluster advertises a GPU.
     """
 
     spec: ClusterSpec
     nodes: tuple[RayNode, ...]
     virtual: bool
+    cpu_slots: bool = False
+
+    @property
+    def gpus_per_worker(self) -> float:
+        """The GPU resource each worker (and its placement bundle) reserves."""
+        return 0.0 if self.cpu_slots else 1.0
+
+    @property
+    def cpus_per_worker(self) -> float:
+        """The CPU resource each worker reserves: one core beside a real GPU; none beside a
+        virtual one (a CPU box has too few cores for one per worker); a sliver for a CPU slot."""
+        if self.cpu_slots:
+            return VIRTUAL_SLOT_CPU
+        return 0.0 if self.virtual else 1.0
 
     @property
     def backend(self) -> str:
@@ -112,7 +133,7 @@ def connect(options: RayStartOptions) -> RayClusterInfo:
     """
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs(options, os.environ.get("RAY_ADDRESS")))
-    return describe_cluster(virtual=options.virtual, hardware=options.hardware)
+    return describe_cluster(virtual=options.virtual, hardware=options.hardware, virtual_gpus=options.virtual_gpus)
 
 
 def ray_init_kwargs(options: RayStartOptions, env_address: str | None) -> dict[str, Any]:
@@ -127,6 +148,9 @@ def ray_init_kwargs(options: RayStartOptions, env_address: str | None) -> dict[s
     if address:
         return {"address": address}
     kwargs: dict[str, Any] = {
+        # A new instance even when `ray start` runs a cluster on this machine (a plain ray.init()
+        # would join the one last started, and refuse num_gpus there): without RAY_ADDRESS, local.
+        "address": "local",
         "include_dashboard": options.include_dashboard,
         # The dashboard only listens on loopback: a local instance is not a service.
         "dashboard_host": "127.0.0.1",
@@ -142,9 +166,19 @@ def ray_init_kwargs(options: RayStartOptions, env_address: str | None) -> dict[s
     return kwargs
 
 
-def describe_cluster(virtual: bool, hardware: str | None = None) -> RayClusterInfo:
-    """`RayClusterInfo` of the Ray cluster this process is connected to."""
-    nodes = gpu_nodes(ray.nodes())
+def describe_cluster(virtual: bool, hardware: str | None = None, virtual_gpus: int = 0) -> RayClusterInfo:
+    """`RayClusterInfo` of the Ray cluster this process is connected to.
+
+    virtual_gpus: how many virtual GPUs a cluster without any GPU resource should provide as
+    CPU slots of its head node (0: such a cluster is an error, as without virtual GPUs).
+    """
+    records = ray.nodes()
+    if virtual and virtual_gpus > 0 and not any(_advertises_gpus(r) for r in records):
+        node = cpu_slot_node(records, virtual_gpus)
+        preset = hardware_preset(hardware or VIRTUAL_GPU_PRESET)
+        spec = ClusterSpec(nodes=1, gpus_per_node=virtual_gpus, hardware=preset)
+        return RayClusterInfo(spec=spec, nodes=(node,), virtual=True, cpu_slots=True)
+    nodes = gpu_nodes(records)
     if virtual and len(nodes) != 1:
         raise ValueError(
             f"virtual GPUs need a single-node local Ray, but {len(nodes)} nodes hold GPUs: "
@@ -154,6 +188,33 @@ def describe_cluster(virtual: bool, hardware: str | None = None) -> RayClusterIn
     preset = hardware or (VIRTUAL_GPU_PRESET if virtual else detect_hardware_preset())
     spec = ClusterSpec(nodes=len(nodes), gpus_per_node=gpus_per_node, hardware=hardware_preset(preset))
     return RayClusterInfo(spec=spec, nodes=nodes, virtual=virtual)
+
+
+def _advertises_gpus(record: dict[str, Any]) -> bool:
+    return bool(record.get("Alive", False)) and record.get("Resources", {}).get("GPU", 0) > 0
+
+
+def node_order(ray_nodes: list[dict[str, Any]]) -> list[str]:
+    """Ids of the alive nodes in planner order: head first, then by IP, then by id."""
+    alive = [r for r in ray_nodes if r.get("Alive", False)]
+    ordered = sorted(alive, key=lambda r: (HEAD_NODE_RESOURCE not in r.get("Resources", {}),
+                                           r["NodeManagerAddress"], r["NodeID"]))
+    return [r["NodeID"] for r in ordered]
+
+
+def cpu_slot_node(ray_nodes: list[dict[str, Any]], virtual_gpus: int) -> RayNode:
+    """The node whose CPUs stand in for `virtual_gpus` virtual GPUs: the first in planner order
+    with CPU for all of them (a cluster without GPUs, e.g. a default `ray start --head` here)."""
+    need = virtual_gpus * VIRTUAL_SLOT_CPU
+    by_id = {r["NodeID"]: r for r in ray_nodes}
+    for node_id in node_order(ray_nodes):
+        record = by_id[node_id]
+        cpus = float(record.get("Resources", {}).get("CPU", 0.0))
+        if cpus >= need:
+            return RayNode(node_id=node_id, ip=record["NodeManagerAddress"], n_gpus=virtual_gpus, n_cpus=cpus,
+                           is_head=HEAD_NODE_RESOURCE in record.get("Resources", {}))
+    raise ValueError(f"the Ray cluster has no GPUs and no node with {need:g} CPUs for {virtual_gpus} virtual GPUs "
+                     f"as CPU slots; start Ray with --num-gpus {virtual_gpus} or --num-cpus 1")
 
 
 def gpu_nodes(ray_nodes: list[dict[str, Any]]) -> tuple[RayNode, ...]:

@@ -40,9 +40,11 @@ from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
 from app.reporting import (
     CallEstimate,
+    RayMetricsExporter,
     TimelineRecord,
     Tracker,
     append_records,
+    append_samples,
     call_estimates,
     fidelity_metrics,
     memory_overruns,
@@ -51,6 +53,7 @@ from app.reporting import (
     realloc_metrics,
     records_of,
     rollout_metrics,
+    rollout_samples,
     span,
     throughput,
     timing_metrics,
@@ -166,6 +169,7 @@ class Driver:
         self.tracker = Tracker(self.run_dir, project=cfg.tracking.project, run_name=self.run_dir.name,
                                config=cfg.model_dump(mode="json"), total_iterations=self.total_iterations,
                                wandb_enabled=cfg.tracking.wandb, console=cfg.tracking.console)
+        self.ray_metrics = RayMetricsExporter(self.run_dir.name)  # Gauges for the cluster's Prometheus
 
     def _write_plan(self) -> None:
         sim = simulate(self.problem, self.plan)
@@ -309,7 +313,8 @@ class Driver:
                 realloc_metas += metas[sub]
         if pending.checkpoint is not None:
             exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports)
+            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports,
+                          tokenizer_dir=self.cfg.data.tokenizer)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
@@ -325,6 +330,8 @@ class Driver:
             self.kl.update(metrics["actor/kl"], self._n_sequences())
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
+        self.ray_metrics.export(metrics, pending.iteration)
+        append_samples(self.run_dir / "samples.jsonl", pending.iteration, rollout_samples(call_metas, kinds))
         return {"iteration": float(pending.iteration), **metrics}
 
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:

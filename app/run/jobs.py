@@ -42,7 +42,8 @@ class LayoutJob:
         self.timeout_s = timeout_s
         self.workers: WorkerGroup | None = create_workers(
             ModelWorker, cluster, {"world_size": layout.world_size, "device": info.device},
-            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=0.0 if info.virtual else 1.0,
+            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=info.cpus_per_worker,
+            gpus_per_worker=info.gpus_per_worker,
             name_prefix="job-worker",
         )
         try:

@@ -237,7 +237,7 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
     return create_workers(
         worker_cls, spec, {"world_size": spec.n_gpus, "device": info.device},
         rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
-        cpus_per_worker=0.0 if info.virtual else 1.0,
+        cpus_per_worker=info.cpus_per_worker, gpus_per_worker=info.gpus_per_worker,
         env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
         concurrency_groups=CONCURRENCY_GROUPS,
     )

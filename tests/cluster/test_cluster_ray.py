@@ -32,9 +32,13 @@ from cluster.collective import (
 from cluster.placement import WorkerCallError, WorkerGroup, create_workers
 from cluster.resources import (
     PACKAGES_ROOT,
+    VIRTUAL_SLOT_CPU,
+    RayClusterInfo,
     RayStartOptions,
     connect,
+    cpu_slot_node,
     gpu_nodes,
+    node_order,
     preset_for_gpu_name,
     ray_init_kwargs,
     uniform_gpu_count,
@@ -132,6 +136,23 @@ def test_constructor_error_names_the_worker_and_frees_the_gpus(ray_session: None
     while ray.available_resources().get("GPU", 0) < GPUS and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU", 0) == GPUS
+
+
+@pytest.mark.ray
+def test_virtual_gpus_as_cpu_slots(ray_session: None) -> None:  # noqa: F811
+    # What a job on a Ray cluster without GPUs gets (a default `ray start --head` on a CPU box):
+    # bundles of a CPU sliver, actors holding no GPU; the cluster's GPUs stay untouched.
+    two = ClusterSpec(nodes=1, gpus_per_node=2, hardware=hardware_preset("cpu"))
+    group = create_workers(ProbeWorker, two, {"tag": "slot"}, rank_kwargs=[{"rank": r} for r in range(2)],
+                           cpus_per_worker=VIRTUAL_SLOT_CPU, gpus_per_worker=0.0, name_prefix="slot",
+                           ready_timeout_s=120)
+    try:
+        described = group.run("describe", timeout_s=60)
+        assert [d["name"] for d in described] == ["slot-n0-g0", "slot-n0-g1"]
+        assert all(d["gpu_ids"] == [] for d in described)
+        assert ray.available_resources().get("GPU", 0) == GPUS
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.ray
@@ -315,10 +336,33 @@ def test_nodes_with_different_gpu_counts_are_named() -> None:
 
 
 @pytest.mark.unit
+def test_a_cluster_without_gpus_lends_cpu_slots() -> None:
+    def record(node_id: str, ip: str, cpus: float, head: bool = False, alive: bool = True) -> dict[str, Any]:
+        resources = {"CPU": cpus, **({"node:__internal_head__": 1.0} if head else {})}
+        return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive, "Resources": resources}
+
+    nodes = [record("w", "10.0.0.1", 8), record("h", "10.0.0.5", 2, head=True),
+             record("d", "10.0.0.0", 64, alive=False)]
+    assert node_order(nodes) == ["h", "w"]  # head first, the dead node left out
+    node = cpu_slot_node(nodes, 4)
+    assert (node.node_id, node.n_gpus, node.is_head) == ("h", 4, True)
+    assert cpu_slot_node([record("h", "10.0.0.5", 0, head=True), record("w", "10.0.0.1", 1)], 4).node_id == "w"
+    with pytest.raises(ValueError, match="no GPUs and no node with 0.04 CPUs for 4 virtual GPUs"):
+        cpu_slot_node([record("h", "10.0.0.5", 0, head=True)], 4)
+    spec = ClusterSpec(nodes=1, gpus_per_node=4, hardware=hardware_preset("cpu"))
+    slots = RayClusterInfo(spec, (node,), virtual=True, cpu_slots=True)
+    assert (slots.gpus_per_worker, slots.cpus_per_worker, slots.backend) == (0.0, VIRTUAL_SLOT_CPU, "gloo")
+    virtual = RayClusterInfo(spec, (node,), virtual=True)
+    assert (virtual.gpus_per_worker, virtual.cpus_per_worker) == (1.0, 0.0)
+    assert RayClusterInfo(spec, (node,), virtual=False).cpus_per_worker == 1.0
+
+
+@pytest.mark.unit
 def test_ray_init_arguments_and_gpu_presets() -> None:
     local = ray_init_kwargs(RayStartOptions(virtual_gpus=4, num_cpus=2, include_dashboard=False), None)
     worker_path = local.pop("runtime_env")["env_vars"]["PYTHONPATH"].split(os.pathsep)
-    assert local == {"include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2, "num_gpus": 4}
+    assert local == {"address": "local", "include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2,
+                     "num_gpus": 4}
     assert worker_path[0] == str(PACKAGES_ROOT)
     assert ray_init_kwargs(RayStartOptions(), "ray://head:10001") == {"address": "ray://head:10001"}
     with pytest.raises(ValueError, match="virtual_gpus=4 starts a local Ray.*RAY_ADDRESS"):
