@@ -24,7 +24,7 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "fidelity.json").read_text())
-    assert [r["shape"]["name"] for r in results] == ["tiny-ppo", "tiny-why-grpo"]
+    assert [r["shape"]["name"] for r in results] == ["tiny-why-grpo", "tiny-ppo"]
     for result in results:
         assert result["iterations"] == 3 and not result["error"] and not result["oom"]
         assert {row["call"] for row in result["calls"]} >= {"actor_gen", "ref_inf", "actor_train"}
@@ -33,4 +33,4 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
             assert row["est_peak_gib"] > 0 and row["measured_peak_gib"] is None  # CPU: no memory statistics
         assert result["errors"]["time_before"]["median"] is not None
     table = done.stdout.strip().splitlines()
-    assert table[-4].startswith("run") and table[-2].startswith("tiny-ppo") and table[-1].startswith("tiny-why-grpo")
+    assert table[-4].startswith("run") and table[-2].startswith("tiny-why-grpo") and table[-1].startswith("tiny-ppo")
