@@ -19,6 +19,7 @@ beside the measured time and peak memory; the memory margin is checked before th
 Failures end the run with a `DriverError` naming the operation, the iteration and the worker:
 a worker that raised or died as soon as its result arrives, and a stall (no operation finishing
 for `run.call_timeout_s`; collectives themselves time out after `run.collective_timeout_s`).
+A lost Ray node is named with the operations in flight on it (app.run.failures).
 metrics.jsonl, timeline.jsonl and complete checkpoints written before stay valid.
 """
 
@@ -61,6 +62,7 @@ from app.reporting import (
     write_gantt,
 )
 from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
+from app.run.failures import explain_node_loss
 from app.run.headroom import check_headroom
 from app.run.replan import PlanDecision, Replanner, apply_switch
 from app.run.runtime import (
@@ -76,6 +78,7 @@ from app.run.runtime import (
     wait_plan,
 )
 from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
+from cluster.health import NODE_LOSS_WAIT_S
 from cluster.placement import WorkerGroup
 from planning.simulate import simulate
 
@@ -350,6 +353,10 @@ class Driver:
                     results[ref] = ray.get(ref)
                 except RayError as error:
                     sub, rank = where[ref]
+                    ops = [*pending.ops, *(op for later in self._pending for op in later.ops)]
+                    lost = explain_node_loss(self.workers.slots, ops, error, min(timeout, NODE_LOSS_WAIT_S))
+                    if lost is not None:
+                        raise DriverError(lost) from error
                     sub = self._first_failed(rank, pending, sub)
                     raise DriverError(f"{sub.describe()} failed on worker {self.workers.slots[rank].name} "
                                       f"(rank {rank}): {_cause(error)}") from error
@@ -375,6 +382,9 @@ class Driver:
     def _raise_stall(self, pending: PendingIteration, remaining: list[ray.ObjectRef],
                      where: dict[ray.ObjectRef, tuple[SubmittedOp, int]], timeout: float) -> None:
         assert self.workers is not None
+        lost = explain_node_loss(self.workers.slots, pending.ops, TimeoutError(), max_wait_s=0.0)
+        if lost is not None:
+            raise DriverError(lost)
         first = min((where[ref] for ref in remaining), key=lambda sr: pending.ops.index(sr[0]))
         stuck = [self.workers.slots[rank].name for sub, rank in (where[r] for r in remaining) if sub is first[0]]
         raise DriverError(f"{first[0].describe()} made no progress for {timeout:g} s (run.call_timeout_s) on "
