@@ -54,6 +54,10 @@ class MFC:
 
     role: which model (actor, critic, ref, reward). kind: generate | inference | train.
     n_minibatches: optimizer steps per train call (PPO minibatches x epochs); 1 otherwise.
+    recompute_forward: a train call that first recomputes the behaviour policy's logprobs with one
+        forward over the whole batch under its own layout (the PPO and GRPO actors with more than
+        one optimizer step; with one, the training forward's own logprobs serve, as
+        actors.worker.train.reuses_forward_logprobs says).
     """
 
     name: str
@@ -63,6 +67,7 @@ class MFC:
     output_keys: tuple[str, ...]
     batch: BatchShape
     n_minibatches: int = 1
+    recompute_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -145,7 +150,7 @@ def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1) 
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         MFC("critic_inf", "critic", "inference", seq, ("values",), batch),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
-            ("actor_stats",), batch, n_mb),
+            ("actor_stats",), batch, n_mb, recompute_forward=n_mb > 1),
         MFC("critic_train", "critic", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
             ("critic_stats",), batch, n_mb),
     ))
@@ -162,7 +167,7 @@ def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> 
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards"), ("actor_stats",),
-            grouped, ppo_minibatches),
+            grouped, ppo_minibatches, recompute_forward=ppo_minibatches > 1),
     ))
 
 

@@ -21,16 +21,20 @@ Model (the same one the search optimises, through `planning.plan_space.PlanSpace
   resident bytes of its GPUs, so a crowded GPU makes a call slower before it makes the plan
   infeasible. A plan where even the leanest level does not fit is infeasible.
 
+A plan that names a call's execution (`ExecutionPlan.executions`: its micro-batch token budget
+or generation rounds) is simulated at exactly that level; `complete_plan` fills in the level the
+simulator picks for every call that has none, which is what the workers then run.
+
 Not modelled: moving call outputs between meshes (sequences and scalars, small next to weights)
 and CPU offload of idle weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planning.cost import PlanningProblem
-from planning.plan import ExecutionPlan
+from planning.plan import CallExecution, ExecutionPlan
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache, TaskRecord
 
 
@@ -56,13 +60,16 @@ class SimResult:
     peak_mem_bytes: dict[int, float]
     feasible: bool
     reason: str = ""
+    executions: dict[str, CallExecution] = field(default_factory=dict)  # how each call runs
+    call_mem_bytes: dict[str, float] = field(default_factory=dict)  # peak per GPU while a call runs
 
 
 def plan_space_for(
     problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3,
     costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
 ) -> PlanSpace:
-    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem)."""
+    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem), its
+    executions pinned where the plan names them."""
     placements = plan.as_dict()
     names = [m.name for m in problem.graph.mfcs]
     missing = [n for n in names if n not in placements]
@@ -77,7 +84,8 @@ def plan_space_for(
             raise ValueError(
                 f"plan: mesh {p.mesh} of {name} is not inside the {cluster.nodes}x{cluster.gpus_per_node} cluster"
             )
-    return PlanSpace(problem, [[placements[n]] for n in names], iterations, costs, reallocs)
+    pinned = [plan.execution(n) for n in names]
+    return PlanSpace(problem, [[placements[n]] for n in names], iterations, costs, reallocs, pinned)
 
 
 def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3) -> SimResult:
@@ -93,7 +101,20 @@ def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3)
     durations, _, _ = space.call_levels(state)
     iteration_s, schedule_reason = space.schedule(state, durations, records)
     _, reason = space.evaluate(state)
-    return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason)
+    executions = {n: e for n, e in zip(space.names, space.executions(state)) if e is not None}
+    call_mem = dict(zip(space.names, space.call_peak_bytes(state)))
+    return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason,
+                     executions, call_mem)
+
+
+def complete_plan(problem: PlanningProblem, plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` with an execution for every call: the ones it names, and for the others the level
+    the simulator picks (the fastest that fits beside the resident weights)."""
+    space = plan_space_for(problem, plan, iterations=1)
+    chosen = space.executions([0] * len(space.names))
+    given = dict(plan.executions)
+    executions = {n: given.get(n, e) for n, e in zip(space.names, chosen) if given.get(n, e) is not None}
+    return plan.with_executions(executions)
 
 
 def _task(record: TaskRecord) -> SimTask:

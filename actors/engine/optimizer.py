@@ -89,6 +89,10 @@ def lr_at(config: AdamWConfig, step: int) -> float:
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# What ShardedAdamW keeps per element of its slice (each a fp32 [S] tensor of the same name).
+OPTIMIZER_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
 def _reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
     """out [S] = this rank's slice of flat [S * world] summed over the group."""
     # reduce_scatter_single is the newer name (torch >= 2.12); older torch has only _tensor.
@@ -217,6 +221,33 @@ class ShardedAdamW:
         self._write_back()
         return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
 
+    # ---- the whole state, for moving the optimizer to another layout --------------------------
+    @torch.no_grad()
+    def full_state(self, key: str) -> dict[str, Tensor]:
+        """One of OPTIMIZER_STATE_KEYS for every parameter of this shard: name -> fp32 tensor shaped like the
+        parameter, the dp slices gathered (collective over the dp group). Like the parameters
+        themselves these can be resharded to another layout (`actors.realloc`)."""
+        if key not in OPTIMIZER_STATE_KEYS:
+            raise ValueError(f"ShardedAdamW.full_state({key!r}): allowed: {', '.join(OPTIMIZER_STATE_KEYS)}")
+        part = getattr(self, key)
+        dp = group_size(self.dp_group)
+        full = part
+        if dp > 1:
+            full = torch.empty(self.slice_size * dp, dtype=torch.float32, device=part.device)
+            _all_gather_flat(full, part, self.dp_group)
+        return {name: full[offset:offset + p.numel()].view(p.shape).clone()
+                for name, p, offset in zip(self.names, self.params, self.offsets)}
+
+    @torch.no_grad()
+    def load_full_state(self, key: str, state: dict[str, Tensor]) -> None:
+        """Take this rank's slice of one of OPTIMIZER_STATE_KEYS from whole per-parameter tensors (as
+        `full_state` gives them, possibly moved from another layout)."""
+        missing = [name for name in self.names if name not in state]
+        if missing or key not in OPTIMIZER_STATE_KEYS:
+            raise ValueError(f"ShardedAdamW.load_full_state({key!r}): missing parameters {missing[:4]}")
+        flats = [state[name].to(device=self.master.device, dtype=torch.float32).flatten() for name in self.names]
+        getattr(self, key).copy_(self._gather_slice(flats, self.master.device))
+
     def _adamw_update(self, grad: Tensor, lr: float) -> None:
         """Update master/m/v [S] in place (torch.optim.AdamW's arithmetic, per-element decay)."""
         beta1, beta2 = self.config.betas
@@ -230,4 +261,4 @@ class ShardedAdamW:
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
 
 
-__all__ = ["AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]
+__all__ = ["OPTIMIZER_STATE_KEYS", "AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

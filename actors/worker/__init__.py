@@ -4,8 +4,11 @@ ops, and the profiler that measures this machine for the cost model.
 May import every other package of actors/ (the top layer), never ray, cluster or app.
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
+  memory       the peak GPU memory of each call (a probe reset before it, read after it)
+  execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
   train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  rehome       a trained model's home moved to another placement, weights and optimizer state
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements
@@ -14,6 +17,8 @@ May import every other package of actors/ (the top layer), never ray, cluster or
 from __future__ import annotations
 
 from actors.worker.models import placement_group_sets
+from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
+from actors.worker.execution import plan_micro_batching
 from actors.worker.calls import CallSpec
 from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
 from actors.worker.profiler import (
@@ -28,6 +33,10 @@ from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_sec
 __all__ = [
     # models.py
     "placement_group_sets",
+    # memory.py
+    "MemoryPeak", "MemoryProbe", "memory_probe_for",
+    # execution.py
+    "plan_micro_batching",
     # calls.py
     "CallSpec",
     # model_worker.py

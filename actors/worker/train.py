@@ -49,7 +49,7 @@ from actors.rl import (
     token_level_rewards,
     value_loss,
 )
-from actors.worker.calls import CallContext, n_micro
+from actors.worker.calls import CallContext, micro_batching
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
 
 
@@ -153,11 +153,13 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     """ppo_epochs x ppo_minibatches optimizer steps; metrics averaged over steps as prefix/<name>."""
     engine = ctx.need_engine()
     temperature = float(ctx.params.get("temperature", 1.0))
+    mb = micro_batching(ctx)
     totals: dict[str, float] = {}
     steps = 0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in minibatch_rows(ctx, len(batch.lengths), epoch):
-            metrics = engine.train_step(select_rows(batch, rows), loss_fn, n_micro(ctx), temperature, with_entropy)
+            metrics = engine.train_step(select_rows(batch, rows), loss_fn, mb.n_micro, temperature, with_entropy,
+                                        micro_batch_tokens=mb.tokens)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
             steps += 1
@@ -223,7 +225,9 @@ def old_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
     engine = ctx.need_engine()
     batch = SequenceBatch(r.tokens, r.lengths)
     temperature = float(ctx.params.get("temperature", 1.0))
-    return engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True).float().cpu() * r.mask
+    mb = micro_batching(ctx)
+    logprobs = engine.forward_logprobs(batch, mb.n_micro, temperature, gather_dp=True, micro_batch_tokens=mb.tokens)
+    return logprobs.float().cpu() * r.mask
 
 
 def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float]) -> tuple[dict, None]:
@@ -349,12 +353,14 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
     batch = load_pairs(ctx, inputs)
     loss_fn = dpo_loss_fn(float(ctx.params.get("beta", 0.1)), float(ctx.params.get("label_smoothing", 0.0)))
     temperature = float(ctx.params.get("temperature", 1.0))
+    mb = micro_batching(ctx)
     totals: dict[str, float] = {}
     steps = 0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in pair_minibatches(ctx, len(batch.lengths) // 2, epoch):
             minibatch = replace(select_rows(batch, rows), group_size=2)
-            for key, value in engine.train_step(minibatch, loss_fn, n_micro(ctx), temperature).items():
+            metrics = engine.train_step(minibatch, loss_fn, mb.n_micro, temperature, micro_batch_tokens=mb.tokens)
+            for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
             steps += 1
     metrics = {f"actor/{key}": value / steps for key, value in totals.items() if key != "count"}

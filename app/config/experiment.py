@@ -116,10 +116,14 @@ class ClusterConfig(_Section):
 
 
 class ManualPlacement(_Section):
-    """A call's placement written by hand: mesh like 'n0:g0-3', layout like 'dp2tp2pp1'."""
+    """A call's placement written by hand: mesh like 'n0:g0-3', layout like 'dp2tp2pp1'; and,
+    optionally, how it runs: micro_batch_tokens (inference and train calls: tokens per
+    micro-batch of each dp share) or gen_rounds (generate calls). Unset: the cost model picks."""
 
     mesh: str
     layout: str
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    gen_rounds: int | None = Field(None, ge=1)
 
     @field_validator("layout")
     @classmethod
@@ -132,13 +136,24 @@ class ManualPlacement(_Section):
 
 
 class PlanConfig(_Section):
-    """How to choose the plan: MCMC search, exhaustive, the heuristic, or `manual` placements."""
+    """How to choose the plan: MCMC search, exhaustive, the heuristic, or `manual` placements.
+
+    memory_margin: fraction of each GPU's memory a plan must leave free (the search keeps it; a
+    manual plan that does not is refused before any call, and a call whose measured peak exceeds
+    its estimate by more than this fraction is a warning). recalibrate_after: after this many
+    iterations, fit the cost model to the run's own call times and memory and search again from
+    the current plan (None: never); the run switches when the new plan is estimated at least
+    switch_gain (a fraction) faster, moving every model between two iterations.
+    """
 
     mode: Literal["search", "exhaustive", "heuristic", "manual"] = "search"
     seconds: float = Field(60.0, gt=0)
     seed: int = 0
     profile: str | None = None
     manual: dict[str, ManualPlacement] | None = None
+    memory_margin: float = Field(0.1, ge=0.0, lt=1.0)
+    recalibrate_after: int | None = Field(None, ge=1)
+    switch_gain: float = Field(0.05, ge=0.0, lt=1.0)
 
 
 class RunConfig(_Section):

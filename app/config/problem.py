@@ -16,7 +16,7 @@ from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_grap
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
-from planning.plan import ExecutionPlan, Placement
+from planning.plan import CallExecution, ExecutionPlan, Placement
 from planning.search import EXHAUSTIVE_LIMIT
 
 # Bytes per parameter that must live somewhere in the cluster: bf16 weights (2) for every model;
@@ -78,6 +78,9 @@ def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
         block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
         if not isinstance(block, dict):
             raise ValueError(f"'efficiency' is a {type(block).__name__}, not an object")
+        above = {k: v for k, v in block.items() if isinstance(v, (int, float)) and v > 1.0}
+        if above:  # a profile measures fractions of its own peaks (only a run's calibration exceeds 1)
+            raise ValueError(f"factors above 1: {above}")
         return OpEfficiency.from_dict(block)
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError("plan.profile", cfg.plan.profile,
@@ -122,7 +125,8 @@ def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
             raise ConfigError("batch.gen_len", cfg.batch.gen_len,
                               f"prompt_len + gen_len <= {spec.max_position_embeddings} (max positions of {field})")
         models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
-    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg))
+    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg),
+                              memory_margin=cfg.plan.memory_margin)
     check_cluster_memory(cfg, problem)
     return problem
 
@@ -161,11 +165,29 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
     if missing:
         raise ConfigError("plan.manual", sorted(cfg.plan.manual),
                           f"a placement for every call; missing {', '.join(missing)}", problem="incomplete")
-    placements = {}
+    placements, executions = {}, {}
     for mfc in problem.graph.mfcs:
-        placements[mfc.name] = _manual_placement(mfc.name, cfg.plan.manual[mfc.name], problem.models[mfc.role].spec,
-                                                 problem.cluster)
-    return ExecutionPlan.from_dict(placements)
+        given = cfg.plan.manual[mfc.name]
+        placements[mfc.name] = _manual_placement(mfc.name, given, problem.models[mfc.role].spec, problem.cluster)
+        execution = _manual_execution(mfc.name, mfc.kind, given)
+        if execution is not None:
+            executions[mfc.name] = execution
+    return ExecutionPlan.from_dict(placements, executions)
+
+
+def _manual_execution(name: str, kind: str, given: ManualPlacement) -> CallExecution | None:
+    """The call's micro_batch_tokens / gen_rounds, when set; the one that does not fit the call's
+    kind is a ConfigError."""
+    field = f"plan.manual.{name}"
+    if kind == "generate" and given.micro_batch_tokens is not None:
+        raise ConfigError(f"{field}.micro_batch_tokens", given.micro_batch_tokens,
+                          f"unset for {name}, a generate call (it takes gen_rounds)")
+    if kind != "generate" and given.gen_rounds is not None:
+        raise ConfigError(f"{field}.gen_rounds", given.gen_rounds,
+                          f"unset for {name}, a {kind} call (it takes micro_batch_tokens)")
+    if given.micro_batch_tokens is None and given.gen_rounds is None:
+        return None
+    return CallExecution(given.micro_batch_tokens, given.gen_rounds)
 
 
 def _manual_placement(name: str, given: ManualPlacement, spec: ModelSpec, cluster: ClusterSpec) -> Placement:

@@ -8,6 +8,8 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   cluster_check  the configured nodes x GPUs against the live Ray cluster (the planner's nodes)
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
   failures    a lost Ray node named with the calls in flight on it
+  headroom    the plan's memory margin, checked before the first call
+  replan      self-calibration from measured calls, re-planning, switching plans between iterations
   driver      `Driver`: runs the plan's dataflow graph iteration after iteration
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """

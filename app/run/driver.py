@@ -12,6 +12,10 @@ Tensors never pass through the driver: each call returns (metadata, data) as two
 driver hands the data ObjectRefs of producers' data owners to consumers as top-level arguments
 (`app.run.schedule.shards_needed`) and only `ray.get`s the metadata (timings, stats, rewards).
 
+Each call runs as the plan says (`CallSpec.execution`) and its records carry the plan's estimates
+beside the measured time and peak memory; the memory margin is checked before the first call
+(app.run.headroom). A re-plan switch (app.run.replan) waits until no iteration is in flight.
+
 Failures end the run with a `DriverError` naming the operation, the iteration and the worker:
 a worker that raised or died as soon as its result arrives, and a stall (no operation finishing
 for `run.call_timeout_s`; collectives themselves time out after `run.collective_timeout_s`).
@@ -36,11 +40,15 @@ from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
 from app.reporting import (
+    CallEstimate,
     RayMetricsExporter,
     TimelineRecord,
     Tracker,
     append_records,
     append_samples,
+    call_estimates,
+    fidelity_metrics,
+    memory_overruns,
     plan_json,
     plan_report,
     realloc_metrics,
@@ -55,6 +63,8 @@ from app.reporting import (
 )
 from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
 from app.run.failures import explain_node_loss
+from app.run.headroom import check_headroom
+from app.run.replan import PlanDecision, Replanner, apply_switch
 from app.run.runtime import (
     TrainInputs,
     connect_cluster,
@@ -103,6 +113,7 @@ class PendingIteration:
     ops: list[SubmittedOp]
     prompt_tokens: int
     checkpoint: Path | None
+    estimates: dict[str, CallEstimate] = field(default_factory=dict)  # of the plan it was submitted under
 
 
 class Driver:
@@ -124,6 +135,9 @@ class Driver:
         self._previous_end: float | None = None
         self.records: list[TimelineRecord] = []
         self.tracker: Tracker | None = None
+        self.replanner: Replanner | None = None
+        self._switch: PlanDecision | None = None  # decided, applied once no iteration is in flight
+        self._plan_since = 0  # first iteration run under the current plan
         try:
             self._setup(worker_cls)
         except BaseException:
@@ -143,6 +157,9 @@ class Driver:
         init_world(self.workers, info.backend, cfg.run.collective_timeout_s)
         self.search = wait_plan(cfg, planner, plan_ref)
         self.plan = self.search.plan
+        check_headroom(self.problem, self.plan)  # ConfigError before any call
+        self.estimates = call_estimates(self.problem, self.plan)
+        self.replanner = Replanner(cfg, self.problem, self.plan, self.search.est_iteration_s)
         self._write_plan()
         setup_groups(self.workers, plan_groups(self.inputs, self.plan), cfg.run.collective_timeout_s)
         self.load_meta = load_models(self.workers, self.inputs, self.plan, cfg.run.call_timeout_s)
@@ -160,10 +177,12 @@ class Driver:
     def _write_plan(self) -> None:
         sim = simulate(self.problem, self.plan)
         r = self.search
-        report = plan_report(self.problem, self.plan, sim, mode=self.cfg.plan.mode, est_iteration_s=r.est_iteration_s,
+        report = plan_report(self.problem, self.plan, sim, mode=self.cfg.plan.mode, est_iteration_s=sim.iteration_s,
                              baseline_iteration_s=r.baseline_iteration_s, search_s=r.search_s,
                              evaluated_plans=r.evaluated_plans)
-        (self.run_dir / "plan.json").write_text(json.dumps(plan_json(report), indent=2, allow_nan=False))
+        history = self.replanner.history if self.replanner is not None else []
+        out = {**plan_json(report), "since_iteration": self._plan_since, "history": history}
+        (self.run_dir / "plan.json").write_text(json.dumps(out, indent=2, allow_nan=False))
 
     # ---- submission ------------------------------------------------------------------------------
     def _submit_next(self) -> None:
@@ -190,14 +209,14 @@ class Driver:
         # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
         samples = self._n_sequences() // len(batch)
         prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
-        self._pending.append(PendingIteration(i, submitted, prompt_tokens, target))
+        self._pending.append(PendingIteration(i, submitted, prompt_tokens, target, self.estimates))
         self._next_iteration += 1
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
                      outputs: dict[str, SubmittedOp]) -> SubmittedOp:
         mfc, placement = op.mfc, op.placement
         n_rows = mfc.batch.n_seqs
-        spec = CallSpec(mfc.name, mfc.role, mfc.kind, placement, i, n_rows, params)
+        spec = CallSpec(mfc.name, mfc.role, mfc.kind, placement, i, n_rows, params, self.plan.execution(mfc.name))
         all_rows = not (mfc.role == "reward" and self.inputs.reward_fn is not None)
         metas, datas = [], {}
         # Generation reads the prompts; DPO's calls read the preference pairs (graph.dataset_keys).
@@ -260,9 +279,12 @@ class Driver:
             raise RuntimeError(f"Driver.step: all {self.total_iterations} iterations (run.iterations) already ran")
         if not self._pending:
             self._submit_next()
-        while len(self._pending) <= LOOKAHEAD and self._next_iteration < self.total_iterations:
+        while len(self._pending) <= LOOKAHEAD and self._next_iteration < self.total_iterations and self._switch is None:
             self._submit_next()
-        return self._collect(self._pending.pop(0))
+        metrics = self._collect(self._pending.pop(0))
+        if self._switch is not None and not self._pending:
+            self._apply_switch(self._switch)
+        return metrics
 
     def run(self, n: int | None = None) -> list[dict[str, float]]:
         """Run `n` iterations (default run.iterations); closes the driver at the end or on error."""
@@ -286,7 +308,8 @@ class Driver:
         call_metas: dict[str, list[dict[str, Any]]] = {}
         realloc_metas: list[Any] = []
         for sub in pending.ops:
-            records += records_of(pending.iteration, sub.name, sub.kind, sub.ranks, metas[sub])
+            estimate = pending.estimates.get(sub.name) if sub.kind == "call" else None
+            records += records_of(pending.iteration, sub.name, sub.kind, sub.ranks, metas[sub], estimate)
             if sub.kind == "call":
                 call_metas[sub.name] = [m for m in metas[sub] if isinstance(m, dict)]
             elif sub.kind == "realloc":
@@ -299,7 +322,10 @@ class Driver:
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
         metrics = {**timing_metrics(records, self._previous_end), **realloc_metrics(realloc_metas),
-                   **rollout_metrics(call_metas, kinds)}
+                   **rollout_metrics(call_metas, kinds), **fidelity_metrics(records)}
+        for line in memory_overruns(records, self.cfg.plan.memory_margin):
+            warnings.warn(line, stacklevel=2)
+        metrics.update(self._replan(pending.iteration, records))
         metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self._n_sequences(),
                                                 self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]
@@ -364,13 +390,43 @@ class Driver:
         raise DriverError(f"{first[0].describe()} made no progress for {timeout:g} s (run.call_timeout_s) on "
                           f"worker(s) {', '.join(stuck)}: a stalled collective or a hung worker")
 
+    # ---- re-planning -------------------------------------------------------------------------------
+    def _replan(self, iteration: int, records: list[TimelineRecord]) -> dict[str, float]:
+        """Feed the re-planner; on a decision adopt the calibrated model (and schedule a switch)."""
+        assert self.replanner is not None
+        metrics, decision = self.replanner.collect(iteration, records, self.run_dir,
+                                                   self._next_iteration < self.total_iterations)
+        if decision is not None:
+            self.problem = decision.problem
+            self.estimates = call_estimates(self.problem, self.plan)
+            self._switch = decision if decision.plan is not None else None
+            self._write_plan()
+        return metrics
+
+    def _apply_switch(self, decision: PlanDecision) -> None:
+        """Move every model to the new plan's homes (nothing is in flight), then adopt the plan."""
+        assert self.workers is not None and self.replanner is not None and decision.plan is not None
+        self._switch = None
+        records = apply_switch(self.workers, self.inputs, self._location, decision.plan, self._next_iteration,
+                               self.cfg.run.call_timeout_s)
+        append_records(self.run_dir / "timeline.jsonl", records)
+        self.records += records
+        self.plan, self._plan_since = decision.plan, self._next_iteration
+        self._location = home_placements(self.graph, self.plan, self.model_roles)
+        self.estimates = call_estimates(self.problem, self.plan)
+        self.replanner.adopt(self.problem, self.plan, decision.new_est_s)
+        self._write_plan()
+
     # ---- end --------------------------------------------------------------------------------------
     def close(self, write_reports: bool = True) -> None:
         """Write the Gantt chart and timing table, close the tracker, stop the workers. Idempotent."""
-        if write_reports and self.records and getattr(self, "plan", None) is not None:
+        if self.replanner is not None:
+            self.replanner.close()
+        current = [r for r in self.records if r.iteration >= self._plan_since]  # under the current plan
+        if write_reports and current and getattr(self, "plan", None) is not None:
             try:
-                write_gantt(self.records, self.problem, self.plan, self.run_dir / "gantt.png")
-                table = timing_table(self.records, self.problem, self.plan)
+                write_gantt(current, self.problem, self.plan, self.run_dir / "gantt.png")
+                table = timing_table(current, self.problem, self.plan)
                 (self.run_dir / "timings.json").write_text(json.dumps(table, indent=1))
             except (OSError, ValueError) as exc:  # reports are extras: never fail a finished run
                 warnings.warn(f"could not write the Gantt chart / timings in {self.run_dir}: {exc}", stacklevel=2)

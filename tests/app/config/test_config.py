@@ -13,6 +13,7 @@ from app.config.experiment import ConfigError, ExperimentConfig, apply_override,
 from app.config.problem import build_problem, manual_plan, unread_keys
 from planning.layout import Layout, Mesh
 from planning.models import MODEL_PRESETS
+from planning.plan import CallExecution
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +136,9 @@ def test_bad_override(override: str, field: str) -> None:
     ({"plan": {"seconds": 0}}, "plan.seconds", "greater than 0"),
     ({"plan": {"mode": "manual"}}, "plan.manual", "every call"),
     ({"plan": {"profile": "/nonexistent/profile.json"}}, "plan.profile", "profile JSON"),
+    ({"plan": {"memory_margin": 1.0}}, "plan.memory_margin", "less than 1"),
+    ({"plan": {"recalibrate_after": 0}}, "plan.recalibrate_after", "greater than or equal to 1"),
+    ({"plan": {"switch_gain": -0.1}}, "plan.switch_gain", "greater than or equal to 0"),
     ({"trainer": {"wandb": True}}, "trainer", "algorithm, models, batch, cluster, plan, run, data"),
 ])
 def test_schema_errors_name_field_value_and_allowed(change: dict[str, Any], field: str, allowed_part: str) -> None:
@@ -226,10 +230,27 @@ def test_manual_plan_in_graph_order() -> None:
     ({"actor_gen": {"mesh": "n0:g0-1", "layout": "dp4"}}, "plan.manual.actor_gen.layout", "2 GPUs"),
     ({"critic_train": {"mesh": "n0", "layout": "dp1pp4tp1"}}, "plan.manual.critic_train.layout", "n_layers=2"),
     ({"warmup": {"mesh": "n0", "layout": "dp4"}}, "plan.manual.warmup", "actor_gen"),
+    ({"actor_gen": {"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 64}},
+     "plan.manual.actor_gen.micro_batch_tokens", "gen_rounds"),
+    ({"ref_inf": {"mesh": "n0", "layout": "dp4", "gen_rounds": 2}}, "plan.manual.ref_inf.gen_rounds",
+     "micro_batch_tokens"),
+    ({"ref_inf": {"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 0}}, "plan.manual.ref_inf.micro_batch_tokens",
+     "greater than or equal to 1"),
 ])
 def test_manual_plan_errors(changed: dict[str, dict[str, str]], field: str, text: str) -> None:
     error = expect_error(tiny_raw(plan=manual_section(**changed)), field)
     assert text in str(error)
+
+
+def test_manual_plan_may_say_how_calls_run() -> None:
+    section = manual_section(actor_gen={"mesh": "n0", "layout": "dp4", "gen_rounds": 2},
+                             actor_train={"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 512})
+    cfg = validate_config(tiny_raw(plan=section))
+    plan = manual_plan(cfg, build_problem(cfg))
+    assert plan is not None
+    assert plan.execution("actor_gen") == CallExecution(gen_rounds=2)
+    assert plan.execution("actor_train") == CallExecution(micro_batch_tokens=512)
+    assert plan.execution("ref_inf") is None  # the cost model picks it
 
 
 def test_manual_plan_must_cover_every_call() -> None:
