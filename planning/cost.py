@@ -164,7 +164,8 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement) -
             parts = _generate(mfc, geo, layout, links, seqs, split)
         else:
             parts = _forward_backward(mfc, geo, layout, links, seqs, split)
-        time_s = sum(v for k, v in parts.items() if k.endswith("_s"))
+        # A call that runs several times per iteration (DAPO's extra generation rounds) costs that much more.
+        time_s = sum(v for k, v in parts.items() if k.endswith("_s")) * mfc.expected_runs
         mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         reason = "" if mem <= hw.mem_bytes else f"needs {mem / 2**30:.1f} GiB per GPU, {hw.name} has {hw.mem_bytes / 2**30:.1f} GiB"
         levels.append(CallCost(time_s, mem, not reason, parts, reason))

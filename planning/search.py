@@ -38,7 +38,7 @@ from planning.cost import PlanningProblem
 from planning.layout import Layout
 from planning.plan import ExecutionPlan, Placement
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache
-from planning.simulate import plan_space_for
+from planning.simulate import complete_plan, plan_space_for
 
 MODES = ("search", "exhaustive", "heuristic", "manual")
 EXHAUSTIVE_LIMIT = 2_000_000
@@ -116,6 +116,7 @@ def search_plan(
                             ((time.perf_counter() - start, baseline_s),))
     if mode == "manual":
         assert manual is not None
+        manual = complete_plan(problem.graph, manual)
         space = plan_space_for(problem, manual, iterations)
         seconds_per_iter, reason = space.evaluate([0] * len(space.names))
         if reason:

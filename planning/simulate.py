@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planning.cost import PlanningProblem
+from planning.dataflow import Graph
 from planning.plan import ExecutionPlan
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache, TaskRecord
 
@@ -58,12 +59,29 @@ class SimResult:
     reason: str = ""
 
 
+def complete_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` with a placement for every call of `graph`, in graph order: a call it leaves out
+    takes the placement of `graph.placement_default` (PPO's actor_inf: the actor's train call).
+    Calls without a default stay missing (plan_space_for names them)."""
+    given = plan.as_dict()
+    out = {}
+    for m in graph.mfcs:
+        default = graph.placement_default(m.name)
+        if m.name in given:
+            out[m.name] = given[m.name]
+        elif default is not None and default in given:
+            out[m.name] = given[default]
+    out.update({name: p for name, p in given.items() if name not in out})
+    return ExecutionPlan.from_dict(out)
+
+
 def plan_space_for(
     problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3,
     costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
 ) -> PlanSpace:
-    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem)."""
-    placements = plan.as_dict()
+    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem; calls
+    it leaves out take their `Graph.placement_default`)."""
+    placements = complete_plan(problem.graph, plan).as_dict()
     names = [m.name for m in problem.graph.mfcs]
     missing = [n for n in names if n not in placements]
     if missing:

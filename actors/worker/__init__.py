@@ -5,7 +5,8 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
-  train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  train        the training ops: PPO actor and critic, ReMax and DPO actors
+  outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements

@@ -70,7 +70,8 @@ from actors.worker.models import (
     shards_of,
     unbind_shards,
 )
-from actors.worker.train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
+from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
+from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
 from planning.realloc_plan import ReallocPlan, plan_reallocation
@@ -85,6 +86,7 @@ CALL_OPS = {
     "ppo_actor": run_ppo_actor,
     "ppo_critic": run_ppo_critic,
     "grpo_actor": run_grpo_actor,
+    "outcome_actor": run_outcome_actor,
     "remax_actor": run_remax_actor,
     "dpo_actor": run_dpo_actor,
 }

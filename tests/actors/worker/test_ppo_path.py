@@ -65,6 +65,7 @@ def rollout_columns() -> dict[str, list[Any]]:
         "values": _per_response([0.3 - 0.11 * k + 0.2 * (k % 2) for k in range(n_resp)]),
         "rewards": list(SCORES),
         "no_eos": list(NO_EOS),
+        "prompt_index": [0, 0, 1, 1],  # as generation writes it for groups of 2 (GRPO)
     }
 
 
@@ -464,9 +465,11 @@ def test_remax_actor_advantage_is_reward_to_go_minus_the_greedy_score(with_ref: 
         del columns["ref_logprobs"]
     shards = [*shards_of(columns), {"row_start": 0, "n": N, "greedy_rewards": greedy}]
     params = {"op": "remax_actor", "kl_coef": 0.2, "whiten": False, "loss_agg": "token-mean", "ppo_minibatches": 1}
+    new, _ = direct_outputs(module(worker, "actor"), columns)
     meta, _ = run(worker, "actor", "train", params, *shards)
     advantages = []
-    for i, lp in enumerate(rows_of(columns, "logprobs")):
+    # The KL penalty is of the actor's recomputed logprobs (not the rollout's) against the ref.
+    for i, lp in enumerate(new):
         kl = [a - b for a, b in zip(lp, rows_of(columns, "ref_logprobs")[i])] if with_ref else [0.0] * len(lp)
         rewards = [-0.2 * k for k in kl]
         rewards[-1] += SCORES[i]
