@@ -18,6 +18,7 @@ from actors.rl.advantages import (
     ppo_advantages,
     remax_advantages,
     reward_to_go,
+    sequence_ids,
     token_level_rewards,
 )
 from actors.rl.outcome import (
@@ -46,7 +47,7 @@ from actors.rl.importance import IS_LEVELS, truncated_is_weights
 __all__ = [
     # advantages.py
     "broadcast_to_tokens", "make_kl_controller", "masked_whiten", "ppo_advantages", "remax_advantages",
-    "reward_to_go", "token_level_rewards",
+    "reward_to_go", "sequence_ids", "token_level_rewards",
     # outcome.py
     "group_mean_std", "grpo_outcome_advantages", "overlong_penalty", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rloo_advantages",

@@ -34,6 +34,7 @@ from actors.rl import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    sequence_ids,
     token_level_rewards,
 )
 from actors.worker.calls import CallContext
@@ -68,15 +69,19 @@ def shaped_scores(ctx: CallContext, r: Rollout) -> Rollout:
 
 
 def outcome_advantages(ctx: CallContext, r: Rollout, kl: Tensor | None) -> Tensor:
-    """Advantages [T] of params['advantage'] (see the module docstring); kl [T] or None."""
+    """Advantages [T] of params['advantage'] (see the module docstring); kl [T] or None. The
+    rewards are KL-shaped per token (kl_coef; 0 for GRPO, whose KL is a loss term); the group
+    estimators take each sequence's total (veRL: token_level_rewards.sum(-1))."""
     p = ctx.params
     kind = str(p.get("advantage", "grpo"))
+    token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl, kl_coef=float(p.get("kl_coef", 0.0)))
+    seq = sequence_ids(r.cu_seqlens, token_rewards.numel())
+    totals = torch.zeros(len(r.lengths)).index_add(0, seq, token_rewards * r.mask)  # [B]
     if kind == "grpo":
-        per_seq = grpo_outcome_advantages(r.scores, group_ids(ctx, r), scale_by_std=bool(p.get("scale_by_std", True)))
+        per_seq = grpo_outcome_advantages(totals, group_ids(ctx, r), scale_by_std=bool(p.get("scale_by_std", True)))
         return broadcast_to_tokens(per_seq, r.mask, r.cu_seqlens)
     if kind == "rloo":
-        return broadcast_to_tokens(rloo_advantages(r.scores, group_ids(ctx, r)), r.mask, r.cu_seqlens)
-    token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl, kl_coef=float(p.get("kl_coef", 0.0)))
+        return broadcast_to_tokens(rloo_advantages(totals, group_ids(ctx, r)), r.mask, r.cu_seqlens)
     if kind == "reinforce_pp":
         return reinforce_pp_advantages(token_rewards, r.mask, r.cu_seqlens, float(p.get("gamma", 1.0)))
     if kind == "reinforce_pp_baseline":

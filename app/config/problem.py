@@ -12,7 +12,17 @@ from pathlib import Path
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
-from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, remax_graph
+from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
+from planning.dataflow import (
+    OUTCOME_ALGORITHMS,
+    BatchShape,
+    Graph,
+    dpo_graph,
+    outcome_graph,
+    ppo_graph,
+    remax_graph,
+    with_staleness,
+)
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
@@ -26,16 +36,19 @@ TRAINED_BYTES_PER_PARAM = 2 + 2 + OPTIMIZER_BYTES_PER_PARAM
 
 
 def build_graph(cfg: ExperimentConfig) -> Graph:
-    """The algorithm's dataflow graph for the configured batch."""
+    """The algorithm's dataflow graph for the configured batch, with run.max_staleness."""
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
     if cfg.algorithm == "ppo":
-        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs)
-    if cfg.algorithm == "grpo":
-        return grpo_graph(shape, b.group_size, b.ppo_minibatches)
-    if cfg.algorithm == "dpo":
-        return dpo_graph(shape)
-    return remax_graph(shape)
+        graph = ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
+    elif cfg.algorithm in OUTCOME_ALGORITHMS:
+        graph = outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, uses_ref(cfg),
+                              generation_rounds(cfg))
+    elif cfg.algorithm == "dpo":
+        graph = dpo_graph(shape)
+    else:
+        graph = remax_graph(shape, with_ref=uses_ref(cfg))
+    return with_staleness(graph, cfg.run.max_staleness)
 
 
 def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
@@ -135,13 +148,16 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
         if name not in calls:
             raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
                               problem="unknown call")
-    missing = [name for name in calls if name not in cfg.plan.manual]
+    # A call with a placement default (PPO's actor_inf: where the actor trains) may be left out.
+    given = {name: cfg.plan.manual.get(name) or cfg.plan.manual.get(problem.graph.placement_default(name) or "")
+             for name in calls}
+    missing = [name for name in calls if given[name] is None]
     if missing:
         raise ConfigError("plan.manual", sorted(cfg.plan.manual),
                           f"a placement for every call; missing {', '.join(missing)}", problem="incomplete")
     placements = {}
     for mfc in problem.graph.mfcs:
-        placements[mfc.name] = _manual_placement(mfc.name, cfg.plan.manual[mfc.name], problem.models[mfc.role].spec,
+        placements[mfc.name] = _manual_placement(mfc.name, given[mfc.name], problem.models[mfc.role].spec,
                                                  problem.cluster)
     return ExecutionPlan.from_dict(placements)
 

@@ -19,7 +19,7 @@ EXAMPLES = ROOT / "examples"
 TINY = EXAMPLES / "ppo-tiny.yaml"
 FAST = "plan.seconds=1"
 TOO_BIG_PER_GPU = ["models.actor.preset=llama-34b", "models.critic.preset=qwen2.5-0.5b"]
-PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_inf", "actor_train", "critic_train"]
 
 
 def plan_cli(*args: str | Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
