@@ -7,6 +7,7 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
   train        the training ops: PPO actor and critic, ReMax and DPO actors
   outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
+  select       the select_rows op: chosen rows of several calls' shards as one batch (dynamic sampling)
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements

@@ -71,6 +71,7 @@ from actors.worker.models import (
     unbind_shards,
 )
 from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
+from actors.worker.select import run_select_rows
 from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -87,10 +88,11 @@ CALL_OPS = {
     "ppo_critic": run_ppo_critic,
     "grpo_actor": run_grpo_actor,
     "outcome_actor": run_outcome_actor,
+    "select_rows": run_select_rows,
     "remax_actor": run_remax_actor,
     "dpo_actor": run_dpo_actor,
 }
-MODEL_FREE_OPS = ("rule_reward",)
+MODEL_FREE_OPS = ("rule_reward", "select_rows")
 
 
 class ModelWorker:

@@ -24,7 +24,10 @@ RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo", *OUTCOME_RUNTIME)
 
 @dataclass(frozen=True)
 class AlgorithmSettings:
-    """Everything the calls of one algorithm need besides the per-iteration KL coefficient."""
+    """Everything the calls of one algorithm need besides the per-iteration KL coefficient.
+
+    dynamic_sampling_rounds: DAPO's dynamic sampling, at most this many generation rounds per
+    iteration (app.run.dynamic_sampling); None: off."""
 
     algorithm: str
     rollout: RolloutSettings
@@ -32,6 +35,7 @@ class AlgorithmSettings:
     grpo: GRPOHyperparams | None = None
     dpo: DPOHyperparams | None = None
     outcome: OutcomeHyperparams | None = None
+    dynamic_sampling_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in RUNTIME_ALGORITHMS:
@@ -87,7 +91,8 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     if cfg.algorithm == "dpo":
         pairs = DPOHyperparams(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing, epochs=b.ppo_epochs,
                                minibatches=b.ppo_minibatches, seed=cfg.run.seed)
-    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs, outcome_settings(cfg))
+    rounds = cfg.dapo.max_gen_rounds if cfg.algorithm == "dapo" and cfg.dapo.dynamic_sampling else None
+    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs, outcome_settings(cfg), rounds)
 
 
 def outcome_settings(cfg: Any) -> OutcomeHyperparams | None:
