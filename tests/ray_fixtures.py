@@ -26,7 +26,9 @@ def ray_session() -> Iterator[None]:
     started_here = not ray.is_initialized()
     if started_here:
         search_path = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])
+        # address="local": always a fresh instance, never a cluster someone started with `ray start`.
         ray.init(
+            address="local",
             num_cpus=RAY_TEST_CPUS,
             num_gpus=RAY_TEST_GPUS,
             include_dashboard=False,

@@ -24,7 +24,7 @@ from typing import Any
 
 from app.config import ExperimentConfig, load_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "ppo-tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "ppo-tiny.yaml"
 RUN_FAILED = 1
 
 

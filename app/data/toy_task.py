@@ -128,7 +128,7 @@ def write_toy_jsonl(path: str | Path, n: int, seed: int) -> Path:
 
 # The shipped dataset: examples/data/toy_prompts.jsonl == write_toy_jsonl(..., n=512, seed=0).
 SHIPPED_TOY_N, SHIPPED_TOY_SEED = 512, 0
-SHIPPED_TOY_PATH = Path(__file__).resolve().parent.parent / "examples" / "data" / "toy_prompts.jsonl"
+SHIPPED_TOY_PATH = Path(__file__).resolve().parents[2] / "examples" / "data" / "toy_prompts.jsonl"
 
 __all__ = [
     "BOS_ID", "CharTokenizer", "EOS_ID", "PAD_ID", "SHIPPED_TOY_N", "SHIPPED_TOY_PATH", "SHIPPED_TOY_SEED",

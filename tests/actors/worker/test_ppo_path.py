@@ -25,7 +25,7 @@ import torch.distributed as dist
 from actors.engine.packing import PackedBatch
 from actors.engine.process_groups import ParallelGroups
 from actors.worker.calls import CallContext
-from actors.worker.model_worker import CallSpec, ModelWorker
+from actors.worker import CallSpec, ModelWorker
 from actors.worker.train import load_rollout, minibatch_rows, ppo_returns
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
@@ -579,7 +579,7 @@ def test_truncated_sampling_keeps_the_rollout_kl_to_an_identical_ref_at_zero(sam
 def _truncated_generation_ranks(rank: int, world_size: int) -> list[float] | None:
     """Generate with top-k under dp2, tp2 and pp2 on 2 gloo ranks; on rank 0, the largest gap
     between each layout's rollout logprobs and a serial full-distribution forward of those rows."""
-    from actors.worker.model_worker import placement_group_sets
+    from actors.worker import placement_group_sets
 
     torch.set_num_threads(1)
     both = Mesh(0, 2, 2)

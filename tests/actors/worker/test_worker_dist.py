@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.worker.model_worker import CallSpec, ModelWorker, placement_group_sets
+from actors.worker import CallSpec, ModelWorker, placement_group_sets
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement

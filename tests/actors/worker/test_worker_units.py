@@ -20,7 +20,7 @@ from actors.worker.data import (
     reward_score,
     scatter_responses,
 )
-from actors.worker.model_worker import CallSpec, ModelWorker
+from actors.worker import CallSpec, ModelWorker
 from planning.cost import rlhf_problem
 from planning.dataflow import BatchShape, ppo_graph
 from planning.hardware import hardware_preset

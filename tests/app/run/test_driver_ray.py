@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.worker.model_worker import CallSpec, ModelWorker
+from actors.worker import CallSpec, ModelWorker
 from app.cli.train import DEFAULT_CONFIG
 from app.config.experiment import load_config
 from app.reporting.timeline import TimelineRecord, read_records, span
