@@ -114,7 +114,10 @@ class PlanSpace:
         self.data_parents = [[index[p] for p in graph.data_parents(n)] for n in self.names]
         self.version_parents = [[index[p] for p in graph.version_parents(n)] for n in self.names]
         self.version_lag = [graph.version_lag(n) for n in self.names]
-        self.order = [(it, index[name]) for it, name in graph.dispatch_order(iterations)]
+        # With staleness k the generation of k iterations beyond the last measured one is already
+        # running in steady state: simulate k more iterations so the window holds it.
+        self.simulated_iterations = iterations + graph.max_staleness
+        self.order = [(it, index[name]) for it, name in graph.dispatch_order(self.simulated_iterations)]
         trained = set(graph.trained_roles)
         homes = {m.role: index[m.name] for m in reversed(graph.mfcs) if m.kind == "train"}
         self.roles = [m.role for m in graph.mfcs]
@@ -257,13 +260,15 @@ class PlanSpace:
         return self.schedule(state, seconds, record)
 
     def schedule(self, state: list[int], seconds: list[float], record: list[TaskRecord] | None = None) -> tuple[float, str]:
-        """List-schedule `iterations` iterations with the given call durations, in dispatch order;
-        steady state = (end of the last iteration - end of the first) / (iterations - 1), or the
-        first iteration's time when there is one."""
+        """List-schedule the iterations with the given call durations, in dispatch order; steady
+        state = (end of iteration `iterations` - 1 - end of the first) / (iterations - 1), or the
+        first iteration's time when there is one. (With staleness k, k more iterations are
+        scheduled: the window between those two ends then holds as many rollout stages as
+        train stages.)"""
         n = len(state)
         task_masks: list[int] = []
         task_ends: list[float] = []
-        ends = [[0.0] * n for _ in range(self.iterations)]
+        ends = [[0.0] * n for _ in range(self.simulated_iterations)]
         mask, home = self.mask, self.home
         for it, c in self.order:
             k = state[c]
@@ -308,4 +313,4 @@ class PlanSpace:
         iter_ends = [max(row) for row in ends]
         if self.iterations == 1:
             return iter_ends[0], ""
-        return (iter_ends[-1] - iter_ends[0]) / (self.iterations - 1), ""
+        return (iter_ends[self.iterations - 1] - iter_ends[0]) / (self.iterations - 1), ""

@@ -180,3 +180,14 @@ def test_report_without_a_baseline_prints_na_and_json_null() -> None:
     assert data["baseline_iteration_s"] is None and data["speedup"] is None
     assert data["est_iteration_s"] == pytest.approx(seconds)
     json.dumps(data, allow_nan=False)  # strict JSON: no inf or nan left
+
+
+def test_bounded_staleness_shows_both_estimates() -> None:
+    done = plan_cli(EXAMPLES / "ppo-async-tiny.yaml")  # max_staleness 1, generation alone on GPUs 0-1
+    assert done.returncode == 0, done.stderr
+    assert "max_staleness 1:" in done.stdout and "on-policy (max_staleness 0):" in done.stdout
+    report = json.loads(plan_cli(EXAMPLES / "ppo-async-tiny.yaml", "--json").stdout)
+    assert report["max_staleness"] == 1
+    # The same placements, generation off the critical path: faster than on-policy.
+    assert report["on_policy_iteration_s"] > report["est_iteration_s"] > 0
+    assert report["staleness_speedup"] == pytest.approx(report["on_policy_iteration_s"] / report["est_iteration_s"])

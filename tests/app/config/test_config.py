@@ -226,3 +226,31 @@ def test_unreadable_yaml_names_the_file(tmp_path: Path, text: str, problem: str)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.field == "config" and problem in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("changes, field, text", [
+    ({"run": {"max_staleness": 1}, "algorithm": "dpo"}, "run.max_staleness", "generates nothing"),
+    ({"run": {"max_staleness": 1}, "ppo": {"recompute_logprobs": False}}, "run.max_staleness", "recompute_logprobs"),
+    ({"run": {"max_staleness": 1}, "algorithm": "dapo"}, "run.max_staleness", "dynamic_sampling"),
+    ({"run": {"max_staleness": -1}}, "run.max_staleness", "greater than or equal to 0"),
+    ({"algorithm": "rloo", "batch": {"prompts": 8, "group_size": 1, "ppo_minibatches": 2}}, "batch.group_size",
+     ">= 2"),
+    ({"algorithm": "dapo", "ppo": {"kl_coef": 0.1}}, "ppo.kl_coef", "loss term"),
+    ({"algorithm": "dapo", "dapo": {"overlong_buffer": 20}}, "dapo.overlong_buffer", "gen_len=16"),
+    ({"ppo": {"rollout_is": "token", "recompute_logprobs": False}}, "ppo.rollout_is", "recompute_logprobs"),
+    ({"algorithm": "vapo"}, "algorithm", "'reinforce_pp_baseline'"),
+])
+def test_algorithm_and_staleness_checks_name_the_field(changes: dict[str, Any], field: str, text: str) -> None:
+    raw = tiny_raw()
+    for section, value in changes.items():
+        raw[section] = {**raw.get(section, {}), **value} if isinstance(value, dict) else value
+    assert text in str(expect_error(raw, field))
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"])
+def test_new_algorithms_build_their_graph_and_run_ahead(algorithm: str) -> None:
+    cfg = validate_config({**tiny_raw(), "algorithm": algorithm, "run": {"max_staleness": 2},
+                           "dapo": {"dynamic_sampling": False}})
+    graph = build_problem(cfg).graph
+    assert graph.algorithm == algorithm and graph.max_staleness == 2
+    assert graph.mfc("actor_gen").batch.n_seqs == 8 * 8  # batch.group_size 8 samples per prompt
