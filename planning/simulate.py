@@ -2,17 +2,21 @@
 
 Model (the same one the search optimises, through `planning.plan_space.PlanSpace`):
 
-* Iterations are dispatched one after another, calls in graph order, as the driver does; each
-  GPU executes what it is given in that order. Calls on disjoint meshes therefore run
-  concurrently and calls on overlapping meshes serialise.
+* Calls are dispatched in `Graph.dispatch_order`, as the driver submits them (on-policy:
+  iteration after iteration in graph order; with max_staleness k, the generation of iteration
+  i + k + 1 right after the training of iteration i); each GPU executes what it is given in that
+  order. Calls on disjoint meshes therefore run concurrently and calls on overlapping meshes
+  serialise.
 * A call waits for its data parents of the same iteration (`Graph.data_parents`) and its
-  version parents of the previous iteration (`Graph.version_parents`: the role's train call).
+  version parents (`Graph.version_parents`: the role's train call) `Graph.version_lag`
+  iterations back: 1, or k + 1 for generation.
 * For a trained role, the train call's placement is where the weights (and optimizer) live.
   Another call of that role on a different placement is preceded by a reallocation task
   train -> call on the union of both meshes, which may start as soon as the new weights exist.
   Never-trained roles (ref, reward) keep their weights where their calls run: no reallocation.
 * Steady-state iteration time = (end of the last iteration - end of the first) / (n - 1): the
-  first iteration carries the pipeline fill, later ones show cross-iteration overlap.
+  first iteration carries the pipeline fill, later ones show cross-iteration overlap. With
+  staleness k, k more iterations are scheduled so that generation running ahead is in the window.
 * Memory per GPU = resident bytes (each trained role's weights + optimizer shard on its train
   mesh; each never-trained role's weights on every placement it runs on) + the largest
   transient of the calls on that GPU (activations, gradients, KV cache, and the weights of a

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
-from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from planning.dataflow import (
     OUTCOME_ALGORITHMS,
     BatchShape,

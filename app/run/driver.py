@@ -53,6 +53,7 @@ from app.reporting import (
     write_gantt,
 )
 from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
+from app.run.dynamic_sampling import SELECT_CALL, GroupFilter, rewards_in_row_order, select_call
 from app.run.runtime import (
     TrainInputs,
     connect_cluster,
@@ -65,7 +66,6 @@ from app.run.runtime import (
     start_workers,
     wait_plan,
 )
-from app.run.dynamic_sampling import SELECT_CALL, GroupFilter, rewards_in_row_order, select_call
 from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
 from app.run.staleness import StageSchedule, staleness_metrics
 from cluster.placement import WorkerGroup

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from actors.engine.packing import PackedBatch
 from actors.engine.process_groups import ParallelGroups
-from actors.worker.calls import CallContext
 from actors.worker import CallSpec, ModelWorker
+from actors.worker.calls import CallContext
 from actors.worker.train import load_rollout, minibatch_rows, ppo_returns
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec

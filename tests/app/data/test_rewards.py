@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from actors.rl.advantages import broadcast_to_tokens
-from actors.rl.outcome import grpo_outcome_advantages
 from actors.rl.losses import ppo_policy_loss
+from actors.rl.outcome import grpo_outcome_advantages
 from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
 from app.data.toy_task import (
     BOS_ID,
