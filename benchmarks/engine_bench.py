@@ -14,6 +14,10 @@ head_dim per layer (QK^T and AV, halved for causality, with s the sequence lengt
     python3 benchmarks/engine_bench.py --cpu --tiny   # a seconds-long check on CPU
     python3 benchmarks/engine_bench.py --profile      # also: top kernels and GPU time by kernel kind
                                                       # (matmul, attention, NCCL, other) per step
+    python3 benchmarks/engine_bench.py --grpo-step --tp 1 --profile
+        # exactly the training call of benchmarks/peer_bench.py (issue 13): 512 sequences of
+        # 128 + 512 tokens in one optimizer step, 16 micro-batches of 32 sequences (20,480
+        # tokens), on one GPU; the target is >= 60% MFU, and --profile says where the rest goes
 """
 
 from __future__ import annotations
@@ -184,7 +188,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one train step")
+    parser.add_argument("--grpo-step", action="store_true",
+                        help="peer_bench's training call: 16 micro-batches of 32 sequences of 640 tokens")
     args = parser.parse_args()
+    if args.grpo_step:  # 64 prompts x 8 samples of 128 + 512 tokens, one optimizer step
+        args.tokens_per_mb, args.n_micro, args.min_len, args.max_len = 32 * 640, 16, 640, 640
     if args.cpu:
         args.tokens_per_mb, args.min_len, args.max_len, args.steps, args.warmup = 256, 16, 64, 2, 1
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):

@@ -1,8 +1,11 @@
-"""Decode throughput of actors.generation.decoding against the memory-bandwidth roofline.
+"""Decode throughput of actors.generation (the `generate` loop) against the memory-bandwidth roofline.
 
     python benchmarks/generate_bench.py                 # one H200, Llama-3.2-1B shape, bf16
     python benchmarks/generate_bench.py --tp 2          # two H200s, 2 spawned processes, NCCL
     python benchmarks/generate_bench.py --cpu --tiny    # seconds on a laptop (checks the script)
+    python benchmarks/generate_bench.py --grpo-step     # the generation call of benchmarks/peer_bench.py
+        # (issue 13): 512 sequences (64 prompts x 8) of 128 tokens, 512 new tokens sampled at
+        # temperature 1, modes graph and graph+compile; the target is >= 60% of the roofline
 
 Random weights; 256 prompts of 128 random tokens, 512 new tokens, EOS ignored, greedy. For each
 of eager and CUDA-graph decoding it times a prefill-only call (1 new token) and the full call;
@@ -70,7 +73,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
     parser.add_argument("--profile", action="store_true",
                         help="also print the top kernels of 16 decode steps of the last mode")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (full vocabulary)")
+    parser.add_argument("--grpo-step", action="store_true",
+                        help="peer_bench's generation: 512 prompts of 128 tokens, 512 new tokens, temperature 1")
     args = parser.parse_args()
+    if args.grpo_step:
+        args.prompts, args.prompt_len, args.new_tokens, args.temperature = 512, 128, 512, 1.0
+        args.modes = "graph,graph+compile"
     if args.tiny:
         args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
     return args
@@ -117,7 +126,7 @@ def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: Gene
     return time.perf_counter() - start
 
 
-def mode_config(mode: str, new_tokens: int) -> GenerationConfig:
+def mode_config(mode: str, new_tokens: int, temperature: float = 0.0) -> GenerationConfig:
     """Config of a mode: "eager" or "graph", optionally with a decode attention kernel "+sdpa",
     "+matmul" or "+triton" (default "auto": Triton on CUDA) and "+compile" (torch.compile'd
     decode step), e.g. "graph+compile+sdpa"."""
@@ -126,7 +135,7 @@ def mode_config(mode: str, new_tokens: int) -> GenerationConfig:
     if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile"}:
         raise ValueError(f"--modes: {mode!r} unknown; allowed: eager|graph[+sdpa|+matmul|+triton][+compile]")
     kernel = next((p for p in parts[1:] if p in kernels), "auto")
-    return GenerationConfig(new_tokens, SamplingParams(temperature=0.0), ignore_eos=True,
+    return GenerationConfig(new_tokens, SamplingParams(temperature=temperature), ignore_eos=True,
                             use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
                             decode_attention=kernel)
 
@@ -160,7 +169,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[Benc
             r = results[-1]
             print(f"measured {mode}: {r.decode_tokens_per_s:,.0f} decode tok/s ({r.ratio:.1%} of roofline)", flush=True)
     if args.profile:
-        profile_short_run(model, prompts, groups, args.modes.split(",")[-1])
+        profile_short_run(model, prompts, groups, args.modes.split(",")[-1], args.temperature)
     if port is not None:
         dist.destroy_process_group()
     return results
@@ -169,7 +178,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[Benc
 def measure_mode(model: Transformer, prompts: list[torch.Tensor], mode: str, args: argparse.Namespace,
                  groups: ParallelGroups | None, roofline: float) -> BenchResult:
     """Warm up, then time a prefill-only call and a full call of one mode."""
-    base = mode_config(mode, args.new_tokens)
+    base = mode_config(mode, args.new_tokens, args.temperature)
     prefill_only = GenerationConfig(**{**base.__dict__, "max_new_tokens": 1})
     # Warm-up: one full call, so that compiles (one per batch shape and attention bucket) and
     # kernel autotuning happen outside the measurement; a call's own graph captures stay inside.
@@ -182,15 +191,15 @@ def measure_mode(model: Transformer, prompts: list[torch.Tensor], mode: str, arg
 
 
 def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
-                      mode: str) -> None:
+                      mode: str, temperature: float = 0.0) -> None:
     """Top kernels by device time over 16 decode steps + sampling of `mode` (after a warm-up that
     compiles and captures), to see where a decode step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     from actors.generation.decoding import DecodeStep, prepare_cache
-    from actors.generation.sampling import sample_tensor_parallel
+    from actors.generation.sampling import sample_tensor_parallel, step_uniforms
 
-    config = mode_config(mode, 64)
+    config = mode_config(mode, 64, temperature)
     config = GenerationConfig(**{**config.__dict__, "attend_bucket": 1 << 20})  # one bucket: one graph
     tokens, batch, cache = prepare_cache(model, prompts, config, prompts[0].device)
     tp_group = groups.tp_group if groups is not None else None
@@ -199,7 +208,8 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
         step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
 
         def one_step(logits: torch.Tensor) -> torch.Tensor:
-            sampled = sample_tensor_parallel(logits, config.sampling, None, tp_group)
+            uniforms = None if config.sampling.greedy else step_uniforms(0, 0, len(prompts), logits.device)
+            sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
             return step(sampled.tokens)
 
         for _ in range(3):
@@ -217,8 +227,9 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
 
 def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:
     where = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}"
     print(f"\n{args.preset} tp={args.tp} on {where}: {args.prompts} prompts x {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, bandwidth {args.bandwidth:.2e} B/s per GPU")
+          f"{args.new_tokens} new tokens {how}, bandwidth {args.bandwidth:.2e} B/s per GPU")
     print(f"{'mode':<22} {'prefill s':>10} {'decode s':>10} {'decode tok/s':>14} {'roofline tok/s':>15} {'ratio':>7}")
     for r in results:
         print(f"{r.mode:<22} {r.prefill_s:>10.3f} {r.decode_s:>10.3f} {r.decode_tokens_per_s:>14,.0f} "

@@ -28,9 +28,16 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 # PPO on two H200s; Ray without its dashboard on this machine (cluster/resources.py honours it).
 # With the profile just measured, the plan's per-call estimates use the measured efficiencies.
 # PPO_ARGS: more dotted overrides, e.g. a manual plan (docs/benchmarks.md has the one used).
+# GRPO against TRL's GRPOTrainer on ONE GPU (kind nvidia-h200), about 6 minutes: ONLY=peer, with trl's
+# wheels in .whl/ (benchmarks/peer_bench.py says how); the 2.5 GB model it builds stays out of $OUT.
+[[ $only == *peer* ]] && LIMIT=${PEER_LIMIT:-540} run peer python3 benchmarks/peer_bench.py --out "$out/peer" \
+  --inputs /tmp/peer-inputs ${PEER_ARGS:-}
 profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/profile.json")
 [[ $only == *ppo* ]] && LIMIT=${PPO_LIMIT:-400} run ppo python3 -m app train examples/ppo-1b-h200x2.yaml \
   run.iterations=${PPO_ITERS:-5} tracking.wandb=false cluster.dashboard=false run.dir="$out/ppo-run" "${profile_arg[@]}" \
   ${PPO_ARGS:-}
+# Searched against symmetric plans, every case this host's GPUs hold (issue 18; PVS_ARGS e.g. --staleness 0,1).
+[[ $only == *pvs* ]] && LIMIT=${PVS_LIMIT:-580} run plan_vs_symmetric python3 benchmarks/plan_vs_symmetric.py \
+  --out "$out" ${PVS_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" .
 exit 0

@@ -191,6 +191,7 @@ def create_workers(
     cpus_per_worker: float = 0.0,
     name_prefix: str = "worker",
     ready_timeout_s: float = 300.0,
+    concurrency_groups: Mapping[str, int] | None = None,
 ) -> WorkerGroup:
     """Reserve every GPU of `cluster_spec` and start one `cls` actor per GPU.
 
@@ -199,12 +200,15 @@ def create_workers(
     env_vars: extra environment of every worker, over `DEFAULT_WORKER_ENV_VARS`.
     cpus_per_worker: the CPU share k of each bundle and actor (0 is allowed: on a CPU box with
         virtual GPUs the cores are too few to reserve one per worker).
+    concurrency_groups: Ray concurrency groups (name -> threads) besides the default one, whose
+        single thread keeps the submission order; a method call submitted with
+        `.options(concurrency_group=name)` runs on that group's threads.
     Waits until every constructor has run; a constructor that raises gives `WorkerCallError`.
     """
     _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, env_vars)
     groups = reserve_nodes(cluster_spec, cpus_per_worker, name_prefix, ready_timeout_s)
     env = {**DEFAULT_WORKER_ENV_VARS, **(env_vars or {})}
-    remote_cls = ray.remote(cls)
+    remote_cls = ray.remote(concurrency_groups=dict(concurrency_groups))(cls) if concurrency_groups else ray.remote(cls)
     actors, slots = [], []
     for node, group in enumerate(groups):
         for local in range(cluster_spec.gpus_per_node):

@@ -4,7 +4,12 @@ An MFC is one call on one model role: `generate`, `inference` or `train`. Edges 
 (a call consumes what another produces) and from parameter versions: a role's `train` call in
 iteration i must finish before any call on that role's weights in iteration i+1 (generation of
 i+1 waits for actor training of i). Builders exist for PPO, GRPO, DPO, ReMax and the
-critic-free outcome-reward algorithms (RLOO, REINFORCE++, REINFORCE++-baseline, DAPO, GSPO).
+critic-free outcome-reward algorithms (RLOO, REINFORCE++, REINFORCE++-baseline, DAPO, GSPO); each
+builds the full graph, reference call included.
+
+`prune_graph` removes work nobody needs: given the keys a configuration leaves unread (e.g. the
+reference logprobs when no KL term is on), it drops them from the consumers' inputs, then every
+call none of whose outputs a remaining call reads; train calls are the sinks and always stay.
 
 Bounded staleness (`Graph.max_staleness` = k, `with_staleness`): generation of iteration j reads
 the actor weights after training iteration j - k - 1 (k = 0: on-policy, the previous iteration's).
@@ -15,6 +20,7 @@ generation on one mesh can run while training runs on another.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -213,28 +219,25 @@ OUTCOME_ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "
 
 
 def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_minibatches: int = 1,
-                  with_ref: bool = True, gen_runs: float = 1.0) -> Graph:
+                  gen_runs: float = 1.0) -> Graph:
     """A critic-free outcome-reward algorithm (GRPO, RLOO, REINFORCE++, REINFORCE++-baseline,
     DAPO, GSPO): `group_size` samples per prompt, a reward per sequence, the reference's logprobs
-    when a KL term needs them (with_ref), actor training. gen_runs: expected generation rounds
-    per iteration (DAPO's dynamic sampling), charged to generation and reward."""
+    for a KL term (pruned when the config has none), actor training. gen_runs: expected generation
+    rounds per iteration (DAPO's dynamic sampling), charged to generation and reward."""
     if algorithm not in OUTCOME_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: outcome graphs are {', '.join(OUTCOME_ALGORITHMS)}")
     if group_size < 1:
         raise ValueError(f"group_size={group_size}: must be >= 1")
     grouped = BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len)
     seq = ("seq", "prompt_mask")
-    ref = ("ref_logprobs",) if with_ref else ()
-    calls = [
+    return Graph(algorithm, (
         MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), grouped,
             expected_runs=gen_runs),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped, expected_runs=gen_runs),
-    ]
-    if with_ref:
-        calls.append(MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped))
-    calls.append(MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards") + ref, ("actor_stats",),
-                     grouped, ppo_minibatches))
-    return Graph(algorithm, tuple(calls))
+        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
+        MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards", "ref_logprobs"), ("actor_stats",),
+            grouped, ppo_minibatches),
+    ))
 
 
 def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> Graph:
@@ -254,23 +257,38 @@ def dpo_graph(batch: BatchShape) -> Graph:
     ), dataset_keys=("pairs",))
 
 
-def remax_graph(batch: BatchShape, with_ref: bool = False) -> Graph:
-    """ReMax: sampled and greedy generation, a reward for each, REINFORCE with the greedy baseline;
-    with_ref adds the reference's logprobs for a KL penalty in the reward (ppo.kl_coef > 0)."""
+def remax_graph(batch: BatchShape) -> Graph:
+    """ReMax: sampled and greedy generation, a reward for each, the reference's logprobs for the
+    KL penalty in the reward (pruned when ppo.kl_coef is 0), REINFORCE with the greedy baseline."""
     seq = ("seq", "prompt_mask")
-    calls = [
+    return Graph("remax", (
         MFC("sample_gen", "actor", "generate", ("prompts",), seq + ("logprobs",), batch),
         MFC("greedy_gen", "actor", "generate", ("prompts",), ("greedy_seq",), batch),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), batch),
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
-    ]
-    ref = ("ref_logprobs",) if with_ref else ()
-    if with_ref:
-        calls.append(MFC("ref_inf", "ref", "inference", seq, ref, batch))
-    # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
-    train_inputs = seq + ("logprobs", "rewards", "greedy_seq", "greedy_rewards") + ref
-    calls.append(MFC("actor_train", "actor", "train", train_inputs, ("actor_stats",), batch))
-    return Graph("remax", tuple(calls))
+        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
+        # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
+        MFC("actor_train", "actor", "train",
+            seq + ("logprobs", "rewards", "greedy_seq", "greedy_rewards", "ref_logprobs"), ("actor_stats",), batch),
+    ))
+
+
+def prune_graph(graph: Graph, unread: Iterable[str] = ()) -> Graph:
+    """`graph` without the input keys `unread` and without the calls whose outputs nobody reads.
+
+    A call stays when it trains (the weight update is the point of an iteration) or when a call
+    that stays reads one of its outputs; removal repeats until nothing changes, so a producer
+    that fed only a dropped call goes too. Calls keep their order; the graph's own checks (every
+    input produced earlier) still hold because only readers' inputs and unread producers go.
+    """
+    drop = set(unread)
+    calls = [replace(m, input_keys=tuple(k for k in m.input_keys if k not in drop)) for m in graph.mfcs]
+    while True:
+        read = {k for m in calls for k in m.input_keys}
+        kept = [m for m in calls if m.kind == "train" or read & set(m.output_keys)]
+        if len(kept) == len(calls):
+            return replace(graph, mfcs=tuple(kept))
+        calls = kept
 
 
 def with_staleness(graph: Graph, max_staleness: int) -> Graph:

@@ -31,6 +31,7 @@ from actors.rl.outcome import (
 )
 from actors.rl.losses import (
     LossSums,
+    aggregate,
     combine_losses,
     dpo_loss,
     entropy_term,
@@ -52,8 +53,8 @@ __all__ = [
     "group_mean_std", "grpo_outcome_advantages", "overlong_penalty", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rloo_advantages",
     # losses.py
-    "LossSums", "combine_losses", "dpo_loss", "entropy_term", "gspo_policy_loss", "kl_loss", "kl_penalty",
-    "ppo_policy_loss", "sequence_logprob_sums", "sft_loss", "value_loss",
+    "LossSums", "aggregate", "combine_losses", "dpo_loss", "entropy_term", "gspo_policy_loss", "kl_loss",
+    "kl_penalty", "ppo_policy_loss", "sequence_logprob_sums", "sft_loss", "value_loss",
     # importance.py
     "IS_LEVELS", "truncated_is_weights",
 ]

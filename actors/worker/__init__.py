@@ -5,6 +5,8 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
+  behaviour    the behaviour policy's logprobs of a train call (actor_inf's, recomputed or reused) and
+               the truncated importance weights against the rollout's
   train        the training ops: PPO actor and critic, ReMax and DPO actors
   outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
   select       the select_rows op: chosen rows of several calls' shards as one batch (dynamic sampling)
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from actors.worker.models import placement_group_sets
 from actors.worker.calls import CallSpec
-from actors.worker.model_worker import ModelWorker
+from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
     ProfileSettings,
@@ -33,7 +35,7 @@ __all__ = [
     # calls.py
     "CallSpec",
     # model_worker.py
-    "ModelWorker",
+    "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker",
     # profiler.py
     "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
     # profile_fit.py

@@ -183,11 +183,10 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
         if key in cols:
             columns[key] = [cols[key][i] for i in index]
     tokenizer = load_tokenizer(p.get("tokenizer"))
-    if tokenizer is not None:
-        columns[f"{prefix}response"] = [tokenizer.decode(t.tolist(), skip_special_tokens=True)
-                                        for t in columns[f"{prefix}response_ids"]]
+    if tokenizer is not None:  # two samples for the console; the reward call decodes the rest
         meta["samples"] = [{"prompt": columns["prompt"][i] if "prompt" in columns else None,
-                            "response": columns[f"{prefix}response"][i]} for i in range(min(2, len(index)))]
+                            "response": tokenizer.decode(responses[i].tolist(), skip_special_tokens=True)}
+                           for i in range(min(2, len(index)))]
     return _shard_of_my_rows(ctx, columns, meta)
 
 
@@ -250,12 +249,21 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
         tokenizer = tokenizer or load_tokenizer(p.get("tokenizer"))
         if tokenizer is None:
             raise ValueError(f"call {ctx.call.name}: params['tokenizer'] is required to decode {ids_key!r}")
-        texts[key] = [tokenizer.decode(t.tolist(), skip_special_tokens=True) for t in cols[ids_key]]
+        texts[key] = decode_rows(tokenizer, cols[ids_key])
     answers = cols.get("answer", [None] * len(rows))
     name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     scores = [reward_score(fn(q, r, a), str(name)) for q, r, a in zip(texts["prompt"], texts["response"], answers)]
     out_key = str(p.get("out_key", "rewards"))
     return _shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
+
+
+def decode_rows(tokenizer: Any, rows: Sequence[Tensor]) -> list[str]:
+    """Each row's text (special tokens skipped); one batched call where the tokenizer has one
+    (an HF fast tokenizer then decodes the rows in parallel in Rust, off the GIL)."""
+    ids = [t.tolist() for t in rows]
+    if hasattr(tokenizer, "batch_decode"):
+        return list(tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
 
 
 def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str = "") -> tuple[SequenceBatch, list[int], list[int]]:
@@ -319,7 +327,7 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 
 __all__ = [
-    "CallContext", "CallSpec", "KINDS", "default_op", "full_distribution_logprobs", "generation_config",
+    "CallContext", "CallSpec", "KINDS", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
     "generation_seed", "n_micro",
     "owner_result", "run_generate", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "timed",
 ]

@@ -18,6 +18,7 @@ entries are p .. p + r - 1 (the first token is always a prompt token).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Sequence
@@ -165,11 +166,13 @@ def import_object(spec: str, what: str) -> Any:
     return getattr(module, attr)
 
 
+@functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str | None) -> Any | None:
     """A tokenizer with `decode(ids, skip_special_tokens=True)`, or None when spec is None.
 
     spec: 'module:Class' (instantiated without arguments, e.g. 'app.data.toy_task:CharTokenizer') or
-    an HF model directory (transformers' AutoTokenizer).
+    an HF model directory (transformers' AutoTokenizer). Loaded once per worker process and spec
+    (a 128k-token vocabulary takes a second to load; calls only decode with it).
     """
     if spec is None:
         return None

@@ -93,6 +93,11 @@ CALL_OPS = {
     "dpo_actor": run_dpo_actor,
 }
 MODEL_FREE_OPS = ("rule_reward", "select_rows")
+# Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
+# overlapping the worker's next GPU call; they join no collective and are pure functions of
+# their inputs, so neither the collective order nor any number changes.
+MODEL_FREE_GROUP = "model_free"
+CONCURRENCY_GROUPS = {MODEL_FREE_GROUP: 2}
 
 
 class ModelWorker:
@@ -349,7 +354,8 @@ class ModelWorker:
             dp_rank, tp_rank, pp_rank = placement.layout.coords(mesh_rank)
             groups = ParallelGroups(placement.layout, dp_rank, tp_rank, pp_rank, None, None, None, None, None,
                                     (self.rank,), (self.rank,))
-            ctx = CallContext(call, None, groups, mesh_rank, self.device)
+            # A host device: timing must not synchronise the GPU the default group is using.
+            ctx = CallContext(call, None, groups, mesh_rank, torch.device("cpu"))
             return timed(CALL_OPS[op], ctx, inputs)
         state = self._role(call.role)
         self._ensure_copy(call, state)
@@ -398,4 +404,4 @@ class ModelWorker:
         return {"role": role, "path": str(path), "seconds": time.perf_counter() - start}
 
 
-__all__ = ["CALL_OPS", "ModelWorker"]
+__all__ = ["CALL_OPS", "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker"]

@@ -37,8 +37,9 @@ from actors.rl import (
     sequence_ids,
     token_level_rewards,
 )
+from actors.worker.behaviour import logprobs_before_step
 from actors.worker.calls import CallContext
-from actors.worker.train import Rollout, behaviour_logprobs, load_rollout, rollout_kl, rollout_metrics, train_actor
+from actors.worker.train import Rollout, load_rollout, rollout_kl, rollout_metrics, train_actor
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
@@ -90,9 +91,10 @@ def outcome_advantages(ctx: CallContext, r: Rollout, kl: Tensor | None) -> Tenso
 
 
 def run_outcome_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
-    """Behaviour logprobs (for the KL and the ratio), advantages, then the policy loss."""
+    """Advantages (with the behaviour logprobs first when a KL penalty in the reward needs them),
+    then the policy loss."""
     r = shaped_scores(ctx, load_rollout(ctx, inputs, []))
-    old = behaviour_logprobs(ctx, r)
+    old = logprobs_before_step(ctx, r)  # None unless a KL penalty in the reward needs them first
     kl = rollout_kl(ctx, r, old)
     advantages = outcome_advantages(ctx, r, kl)
     extra = rollout_metrics(ctx, r, kl)

@@ -21,6 +21,13 @@ logprobs under its current weights: given by PPO's actor_inf call (both train ca
 the same rewards), otherwise recomputed here under the train layout (recompute_logprobs, the
 default). With an identical actor and reference the KL is then exactly 0. Truncated importance
 weights (actors.rl.importance) correct the policy loss for the gap between the two.
+
+When nothing needs them before the step (no KL penalty in the reward, no importance weights) and
+there is one minibatch and one epoch, the actor takes its old logprobs from its training forward
+(detached) instead of a separate forward pass over every token: that step's weights are the ones
+the recomputation would use, so the ratios are exactly 1 and the gradient is the recomputing
+path's (`reuses_forward_logprobs`). With more minibatches or epochs the weights move between
+steps and the old logprobs are recomputed first.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch import Tensor
 from actors.engine import LossFn, SequenceBatch
 from actors.rl import (
     LossSums,
+    aggregate,
     combine_losses,
     dpo_loss,
     entropy_term,
@@ -48,8 +56,13 @@ from actors.rl import (
     remax_advantages,
     sequence_logprob_sums,
     token_level_rewards,
-    truncated_is_weights,
     value_loss,
+)
+from actors.worker.behaviour import (
+    behaviour_logprobs,
+    importance_weights,
+    logprobs_before_step,
+    reuses_forward_logprobs,
 )
 from actors.worker.calls import CallContext, n_micro
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
@@ -186,9 +199,14 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
 POLICY_LOSSES = ("ppo", "gspo")
 
 
-def policy_loss_fn(params: dict[str, Any]) -> LossFn:
+def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> LossFn:
     """Clipped PPO surrogate, or GSPO's sequence-level one (params['policy_loss']), weighted by the
-    truncated importance weights when given (+ entropy bonus, + a KL loss) on one micro-batch."""
+    truncated importance weights when given (+ entropy bonus, + a KL loss) on one micro-batch.
+
+    old_from_forward: the old logprobs are this forward's own, detached (`reuses_forward_logprobs`),
+    so every ratio is exactly 1; the statistic old_logprob_diff then compares them with the
+    sampling logprobs (token data "sample_logprobs") as the recomputing path does afterwards.
+    """
     kind = str(params.get("policy_loss", "ppo"))
     if kind not in POLICY_LOSSES:
         raise ValueError(f"params['policy_loss']={kind!r}: allowed: {', '.join(POLICY_LOSSES)}")
@@ -202,64 +220,52 @@ def policy_loss_fn(params: dict[str, Any]) -> LossFn:
 
     def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
         cu, mask, weights = data["cu_seqlens"], data["mask"], data.get("is_weights")
+        old = logprobs.detach() if old_from_forward else data["old_logprobs"]
         if kind == "gspo":
-            pg = gspo_policy_loss(logprobs, data["old_logprobs"], data["advantages"], mask, cu, clip_eps, clip_high,
-                                  agg, weights)
+            pg = gspo_policy_loss(logprobs, old, data["advantages"], mask, cu, clip_eps, clip_high, agg, weights)
         else:
-            pg = ppo_policy_loss(logprobs, data["old_logprobs"], data["advantages"], mask, clip_eps, clip_high, dual,
-                                 agg, cu, weights)
+            pg = ppo_policy_loss(logprobs, old, data["advantages"], mask, clip_eps, clip_high, dual, agg, cu, weights)
         terms = [(1.0, pg)]
         if entropy_coef > 0:
             terms.append((-entropy_coef, entropy_term(data["entropy"], mask, agg, cu)))
         if kl_coef > 0:
             terms.append((kl_coef, kl_loss(logprobs, data["ref_logprobs"], mask, estimator, agg, cu)))
-        return combine_losses(terms)
+        total = combine_losses(terms)
+        if not old_from_forward:
+            return total
+        diff, _ = aggregate((old - data["sample_logprobs"]).abs(), mask, agg, cu)
+        return LossSums(total.loss, total.count, {**total.stats, "old_logprob_diff": diff})
 
     return loss
-
-
-def behaviour_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
-    """The behaviour policy's logprobs [T]: the actor_inf call's `old_logprobs` when given, else
-    recomputed by the actor under the train layout (params['recompute_logprobs'], default True:
-    the first PPO ratio is then exactly 1), else the sampling logprobs from generation."""
-    if r.old_logprobs is not None:
-        return r.old_logprobs * r.mask
-    if not bool(ctx.params.get("recompute_logprobs", True)):
-        return r.logprobs
-    engine = ctx.need_engine()
-    batch = SequenceBatch(r.tokens, r.lengths)
-    temperature = float(ctx.params.get("temperature", 1.0))
-    return engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True).float().cpu() * r.mask
-
-
-def importance_weights(ctx: CallContext, r: Rollout, old: Tensor) -> tuple[Tensor | None, dict[str, float]]:
-    """Truncated importance weights [T] of old over the rollout's logprobs (params['rollout_is']:
-    'token' or 'sequence'; None: no correction) and their metrics actor/rollout_is_*."""
-    level = ctx.params.get("rollout_is")
-    if level is None:
-        return None, {}
-    weights, stats = truncated_is_weights(old, r.logprobs, r.mask, r.cu_seqlens, str(level),
-                                          float(ctx.params.get("rollout_is_threshold", 2.0)))
-    return weights, {f"actor/{k}": v for k, v in stats.items()}
 
 
 def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float],
                 old: Tensor | None = None) -> tuple[dict, None]:
     """Policy optimisation on `advantages` [T] (shared by every actor op); old: the behaviour
-    logprobs [T] when the caller already has them (`behaviour_logprobs`)."""
-    old = behaviour_logprobs(ctx, r) if old is None else old
-    token_data = {"mask": r.mask, "old_logprobs": old, "advantages": advantages * r.mask}
-    weights, is_metrics = importance_weights(ctx, r, old)
-    if weights is not None:
-        token_data["is_weights"] = weights
+    logprobs [T] when the caller already has them (`behaviour_logprobs`). Otherwise they are
+    the actor_inf call's, taken from the training forward (`reuses_forward_logprobs`), or
+    recomputed first."""
+    reuse = (old is None and r.old_logprobs is None and ctx.params.get("rollout_is") is None
+             and reuses_forward_logprobs(ctx.params))
+    token_data = {"mask": r.mask, "advantages": advantages * r.mask}
+    is_metrics: dict[str, float] = {}
+    if reuse:
+        token_data["sample_logprobs"] = r.logprobs
+    else:
+        old = behaviour_logprobs(ctx, r) if old is None else old
+        token_data["old_logprobs"] = old
+        weights, is_metrics = importance_weights(ctx, r, old)
+        if weights is not None:
+            token_data["is_weights"] = weights
     if r.ref_logprobs is not None:
         token_data["ref_logprobs"] = r.ref_logprobs
     if float(ctx.params.get("kl_loss_coef", 0.0)) > 0 and r.ref_logprobs is None:
         raise ValueError(f"call {ctx.call.name}: kl_loss_coef > 0 needs 'ref_logprobs' from the ref call")
     batch = SequenceBatch(r.tokens, r.lengths, token_data)
     with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
-    metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params), "actor", with_entropy)
-    metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
+    metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params, old_from_forward=reuse), "actor", with_entropy)
+    if old is not None:
+        metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
     return {**extra, **metrics, **is_metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None
 
 
@@ -299,7 +305,7 @@ def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     penalty = float(ctx.params.get("no_eos_penalty", 0.0))
     if penalty and "greedy_no_eos" in cols:
         baseline = baseline - penalty * torch.tensor([float(x) for x in cols["greedy_no_eos"]])
-    old = behaviour_logprobs(ctx, r)
+    old = logprobs_before_step(ctx, r)
     kl = rollout_kl(ctx, r, old)
     token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl,
                                         kl_coef=float(ctx.params.get("kl_coef", 0.0)))
@@ -372,8 +378,8 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
 
 
 __all__ = [
-    "POLICY_LOSSES", "Rollout", "behaviour_logprobs", "importance_weights", "load_rollout", "masked_mean",
-    "minibatch_rows", "policy_loss_fn", "ppo_returns", "rollout_kl", "rollout_metrics", "run_ppo_actor",
-    "run_ppo_critic", "run_remax_actor", "select_rows", "train_actor",
+    "POLICY_LOSSES", "Rollout", "load_rollout", "masked_mean", "minibatch_rows", "policy_loss_fn", "ppo_returns",
+    "rollout_kl", "rollout_metrics", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
+    "train_actor",
     "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",
 ]

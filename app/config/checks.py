@@ -3,8 +3,9 @@
 The algorithm families (pure Python, shared by the graph builder in app.config.problem and the
 settings of app.algorithms):
   KL in the reward  ppo, remax, rloo, reinforce_pp, reinforce_pp_baseline: ppo.kl_coef shapes the
-                    per-token rewards; a reference call runs when it is > 0 (always for ppo)
-  KL as a loss      grpo, dapo, gspo: grpo.kl_loss_coef; ppo.kl_coef must stay unset or 0
+                    per-token rewards; the reference call runs when it is > 0 (always for ppo)
+  KL as a loss      grpo, dapo, gspo: grpo.kl_loss_coef (the reference call runs when > 0);
+                    ppo.kl_coef must stay unset or 0
   grouped           grpo, rloo, reinforce_pp_baseline, dapo, gspo: batch.group_size >= 2 samples
                     per prompt, advantages from each prompt's group
 Every failure is a `ConfigError` naming the field (checked in `validate_config`, before any run).
@@ -31,8 +32,8 @@ def samples_per_prompt(cfg: ExperimentConfig) -> int:
 
 
 def uses_ref(cfg: ExperimentConfig) -> bool:
-    """Whether the algorithm's graph has a reference call (see the module docstring)."""
-    if cfg.algorithm in ("ppo", "grpo", "dpo"):
+    """Whether a loss reads the reference's logprobs (else its call is pruned from the graph)."""
+    if cfg.algorithm in ("ppo", "dpo"):
         return True
     if cfg.algorithm in KL_AS_LOSS:
         return cfg.grpo.kl_loss_coef > 0

@@ -20,6 +20,7 @@ from planning.dataflow import (
     dpo_graph,
     outcome_graph,
     ppo_graph,
+    prune_graph,
     remax_graph,
     with_staleness,
 )
@@ -35,20 +36,34 @@ FROZEN_BYTES_PER_PARAM = 2
 TRAINED_BYTES_PER_PARAM = 2 + 2 + OPTIMIZER_BYTES_PER_PARAM
 
 
-def build_graph(cfg: ExperimentConfig) -> Graph:
-    """The algorithm's dataflow graph for the configured batch, with run.max_staleness."""
+def algorithm_graph(cfg: ExperimentConfig) -> Graph:
+    """The algorithm's full dataflow graph for the configured batch (before pruning)."""
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
     if cfg.algorithm == "ppo":
-        graph = ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
-    elif cfg.algorithm in OUTCOME_ALGORITHMS:
-        graph = outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, uses_ref(cfg),
-                              generation_rounds(cfg))
-    elif cfg.algorithm == "dpo":
-        graph = dpo_graph(shape)
-    else:
-        graph = remax_graph(shape, with_ref=uses_ref(cfg))
-    return with_staleness(graph, cfg.run.max_staleness)
+        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
+    if cfg.algorithm in OUTCOME_ALGORITHMS:
+        return outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, generation_rounds(cfg))
+    if cfg.algorithm == "dpo":
+        return dpo_graph(shape)
+    return remax_graph(shape)
+
+
+def build_graph(cfg: ExperimentConfig) -> Graph:
+    """The graph that runs: `algorithm_graph` without the calls whose outputs no loss reads under
+    this config (`unread_keys`), with run.max_staleness. The planner and the driver both get this
+    graph, so a dropped call is neither planned, loaded nor run."""
+    return with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
+
+
+def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """Data keys that no loss reads under this config: the reference logprobs when the
+    algorithm's KL term is off (`app.config.checks.uses_ref`: grpo, dapo, gspo with
+    grpo.kl_loss_coef = 0; remax, rloo, reinforce_pp(_baseline) with ppo.kl_coef = 0). Their only
+    other reader, the actor/kl metric, then goes too, as in TRL with beta = 0. PPO keeps its
+    reference: actor/kl is its KL monitor and the adaptive controller's input. DPO's loss always
+    reads it."""
+    return () if uses_ref(cfg) else ("ref_logprobs",)
 
 
 def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
@@ -144,8 +159,10 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
     if cfg.plan.mode != "manual" or not cfg.plan.manual:
         return None
     calls = [m.name for m in problem.graph.mfcs]
+    # A placement for a call the config prunes (e.g. ref_inf without a KL term) is not needed.
+    pruned = {m.name for m in algorithm_graph(cfg).mfcs} - set(calls)
     for name in cfg.plan.manual:
-        if name not in calls:
+        if name not in calls and name not in pruned:
             raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
                               problem="unknown call")
     # A call with a placement default (PPO's actor_inf: where the actor trains) may be left out.

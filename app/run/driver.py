@@ -33,7 +33,7 @@ import ray
 from ray.exceptions import RayError
 
 from actors.rl import make_kl_controller
-from actors.worker import CallSpec
+from actors.worker import MODEL_FREE_GROUP, MODEL_FREE_OPS, CallSpec
 from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
@@ -254,7 +254,7 @@ class Driver:
         rank = self.plan[self._last_train().name].mesh.start
         refs = [(r, ref) for r, sub in shards for ref in sub.data_refs.values()]
         spec = select_call(i, rank, self.problem.cluster.gpus_per_node, [r for r, _ in refs], round_rows, kept)
-        meta, data = self.workers.actor(rank).run_call.options(num_returns=2).remote(spec, *(ref for _, ref in refs))
+        meta, data = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *(ref for _, ref in refs))
         return SubmittedOp(i, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement, spec.n_rows)
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
@@ -275,7 +275,7 @@ class Driver:
                 needed = shards_needed(placement, rank, source.placement or self.plan[parent], parent_rows,
                                        all_rows or parent_rows != n_rows)
                 args.extend(source.data_refs[o.rank] for o in needed)
-            meta_ref, data_ref = self.workers.actor(rank).run_call.options(num_returns=2).remote(spec, *args)
+            meta_ref, data_ref = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *args)
             metas.append(meta_ref)
             datas[rank] = data_ref
         return SubmittedOp(i, mfc.name, "call", op.ranks, tuple(metas), datas)
@@ -446,6 +446,14 @@ class Driver:
             ray.shutdown()
 
 
+def call_options(spec: CallSpec) -> dict[str, Any]:
+    """Ray options of a call: two returns (meta, data); a model-free call (a rule reward: decode
+    and score) on the worker's own threads, so the worker's next GPU call runs meanwhile."""
+    if spec.op in MODEL_FREE_OPS:
+        return {"num_returns": 2, "concurrency_group": MODEL_FREE_GROUP}
+    return {"num_returns": 2}
+
+
 def prompt_shard(batch: list[PromptExample]) -> dict[str, Any]:
     """The generation call's input: rows 0..n-1 with prompt ids (int64 [p_i]), texts and answers."""
     import torch
@@ -465,4 +473,4 @@ def _cause(error: BaseException) -> str:
     return " ".join(text.split())[:2000]
 
 
-__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "prompt_shard"]
+__all__ = ["Driver", "DriverError", "LOOKAHEAD", "PendingIteration", "SubmittedOp", "call_options", "prompt_shard"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from actors.worker import CONCURRENCY_GROUPS
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config, toy_preference_records
 from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources, search_error
 from app.data import (
@@ -238,6 +239,7 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
         rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
         cpus_per_worker=0.0 if info.virtual else 1.0,
         env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
+        concurrency_groups=CONCURRENCY_GROUPS,
     )
 
 

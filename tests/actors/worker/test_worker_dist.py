@@ -102,7 +102,7 @@ class MiniDriver:
         self.move("actor", "actor_home", "actor_gen")
         _, gen = self.call("actor_gen", "actor", "generate", "actor_gen", it, GEN, [prompts])
         self.release("actor", "actor_home", "actor_gen")
-        rew_params = {"reward_fn": "app.data.toy_task:toy_reward"}
+        rew_params = {"reward_fn": "app.data.toy_task:toy_reward", "tokenizer": GEN["tokenizer"]}
         _, rew = self.call("rew_inf", "reward", "inference", "rew_inf", it, rew_params, gen)
         ref_place = "ref_alt" if it % 2 else "ref"  # odd iterations: the frozen ref moves away and back
         self.move("ref", "ref", ref_place)

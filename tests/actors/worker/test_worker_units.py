@@ -129,8 +129,10 @@ def test_serial_grpo_iteration_trains_the_actor() -> None:
     gen_meta, gen = _call(worker, "actor_gen", "actor", "generate", n, gen_params, _prompts(n_prompts))
     assert gen["n"] == n and gen["prompt_index"] == [r // group for r in range(n)]
     assert gen_meta["gen_tokens"] == sum(t.numel() for t in gen["response_ids"])
-    assert all(isinstance(text, str) for text in gen["response"])
-    _, rew = _call(worker, "rew_inf", "reward", "inference", n, {"reward_fn": "app.data.toy_task:toy_reward"}, gen)
+    # Generation decodes only the console's samples; the reward call decodes every response.
+    assert "response" not in gen and all(isinstance(s["response"], str) for s in gen_meta["samples"])
+    reward = {"reward_fn": "app.data.toy_task:toy_reward", "tokenizer": TOKENIZER}
+    _, rew = _call(worker, "rew_inf", "reward", "inference", n, reward, gen)
     _, ref = _call(worker, "ref_inf", "ref", "inference", n, {"op": "logprobs"}, gen)
     assert [t.shape for t in ref["ref_logprobs"]] == [t.shape for t in gen["response_ids"]]
     before = _actor_weights(worker)
@@ -152,8 +154,8 @@ def test_serial_remax_iteration_uses_the_greedy_baseline() -> None:
     _, sample = _call(worker, "sample_gen", "actor", "generate", n, base, prompts)
     _, greedy = _call(worker, "greedy_gen", "actor", "generate", n, {**base, "greedy": True, "out_prefix": "greedy_"},
                       prompts)
-    assert "greedy_response_ids" in greedy and "greedy_response" in greedy
-    reward = {"op": "rule_reward", "reward_fn": "app.data.toy_task:toy_reward"}
+    assert "greedy_response_ids" in greedy
+    reward = {"op": "rule_reward", "reward_fn": "app.data.toy_task:toy_reward", "tokenizer": TOKENIZER}
     _, rew = _call(worker, "rew_inf", "reward", "inference", n, reward, sample)
     _, grew = _call(worker, "greedy_rew_inf", "reward", "inference", n,
                     {**reward, "in_prefix": "greedy_", "out_key": "greedy_rewards"}, greedy)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from app.config.experiment import ConfigError, ExperimentConfig, apply_override, load_config, validate_config
-from app.config.problem import build_problem, manual_plan
+from app.config.problem import build_problem, manual_plan, unread_keys
 from planning.layout import Layout, Mesh
 from planning.models import MODEL_PRESETS
 
@@ -177,6 +177,31 @@ def test_profile_overrides_hardware(tmp_path: Path) -> None:
     profile.write_text(json.dumps({"peak_flops": 1.5e10, "hbm_bw": 5e9}))
     problem = build_problem(validate_config(tiny_raw(plan={"profile": str(profile)})))
     assert problem.cluster.hardware.peak_flops == 1.5e10 and problem.cluster.hardware.hbm_bw == 5e9
+
+
+def test_grpo_without_kl_loss_plans_no_reference_model() -> None:
+    grpo_batch = {"prompts": 4, "prompt_len": 8, "gen_len": 8, "ppo_minibatches": 1, "group_size": 4}
+    raw = tiny_raw(algorithm="grpo", models={"actor": {"preset": "tiny"}}, batch=grpo_batch)
+    with_kl = build_problem(validate_config(raw))
+    assert [m.name for m in with_kl.graph.mfcs] == ["actor_gen", "rew_inf", "ref_inf", "actor_train"]
+    cfg = validate_config({**raw, "grpo": {"kl_loss_coef": 0.0}})
+    problem = build_problem(cfg)
+    assert [m.name for m in problem.graph.mfcs] == ["actor_gen", "rew_inf", "actor_train"]
+    assert "ref" not in problem.models and "ref_logprobs" not in problem.graph.mfc("actor_train").input_keys
+    # A manual plan written for the full graph still loads: the dropped call's entry is ignored.
+    calls = ("actor_gen", "rew_inf", "ref_inf", "actor_train")
+    manual = {"mode": "manual", "seconds": 1, "manual": {n: {"mesh": "n0", "layout": "dp4"} for n in calls}}
+    cfg = validate_config({**raw, "grpo": {"kl_loss_coef": 0.0}, "plan": manual})
+    plan = manual_plan(cfg, build_problem(cfg))
+    assert plan is not None and [name for name, _ in plan.placements] == list(calls[:2] + calls[3:])
+
+
+def test_reference_kept_where_a_loss_or_the_kl_controller_reads_it() -> None:
+    remax = {"algorithm": "remax", "models": {"actor": {"preset": "tiny"}}}
+    assert unread_keys(validate_config(tiny_raw(**remax, ppo={"kl_coef": 0.0}))) == ("ref_logprobs",)
+    assert unread_keys(validate_config(tiny_raw(**remax, ppo={"kl_coef": 0.1}))) == ()
+    ppo = validate_config(tiny_raw(ppo={"kl_coef": 0.0}))  # PPO's actor/kl feeds the controller
+    assert unread_keys(ppo) == () and "ref_inf" in [m.name for m in build_problem(ppo).graph.mfcs]
 
 
 def test_manual_plan_in_graph_order() -> None:

@@ -1,0 +1,225 @@
+"""This project's GRPO against TRL's GRPOTrainer on identical work, side by side in one call.
+
+The work (issue 13): one GPU, Llama-3.2-1B shape with random weights (bf16), 64 prompts x 8
+samples, 128-token prompts, 512 new tokens, one optimizer step per batch, no KL term (TRL
+beta=0, our grpo.kl_loss_coef=0), temperature 1. Both systems read the same HF directory
+(weights, config, a byte-level BPE tokenizer with the model's 128,256-token vocabulary; built
+offline by benchmarks/peer_setup.py) and the same prompt file, and score with the same rule on
+the decoded text (benchmarks/peer_reward.py). Ours runs through `python -m app train`'s
+machinery (the Ray driver), TRL through GRPOTrainer with HF generation (benchmarks/peer_trl.py).
+The table gives seconds per step and completion tokens per second of the timed steps (a warm-up
+step each is left out: ours 1 + 3 iterations, TRL 1 + 2 steps), the ratio, and our calls' times.
+
+    python3 benchmarks/peer_bench.py              # GPU, about 6 minutes; writes out/peer/ (or --out)
+    python3 benchmarks/peer_bench.py --tiny       # seconds on CPU: a tiny model, 4 prompts x 4, 16 + 16 tokens
+
+TRL on the GPU host (offline; it has torch, transformers and accelerate): from the project root
+here, `bash ../shared/gpu/prepare-wheels.sh trl==1.16.0 datasets==5.2.0 dill multiprocess`
+fills the git-ignored .whl/; benchmarks/run_gpu.sh installs it there (`ONLY=peer`). Without an
+importable TRL the table says so and still measures ours.
+
+Until the runtime splits calls by the plan's micro-batches, `--micro-batches 16` splits the
+actor's training step (327k tokens, one optimizer step) into 16 micro-batches (0: leave it to
+the runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+
+from benchmarks.peer_setup import build_inputs
+from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
+
+
+@dataclass(frozen=True)
+class Work:
+    """One step's work: prompts x group samples, prompt and response lengths."""
+
+    prompts: int
+    group: int
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.group
+
+    def describe(self) -> str:
+        return (f"{self.prompts} prompts x {self.group} samples, {self.prompt_len}-token prompts, "
+                f"{self.gen_len} new tokens")
+
+
+GPU_WORK = Work(64, 8, 128, 512)
+TINY_WORK = Work(4, 4, 16, 16)
+
+
+def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: Path, iterations: int,
+               overrides: list[str]) -> Path:
+    """The experiment YAML of our side (written beside the results, so the run can be repeated)."""
+    import yaml
+
+    raw: dict[str, Any] = {
+        "algorithm": "grpo",
+        "models": {"actor": {"path": str(model_dir)}},
+        "batch": {"prompts": work.prompts, "prompt_len": work.prompt_len, "gen_len": work.gen_len,
+                  "group_size": work.group, "ppo_minibatches": 1, "ppo_epochs": 1},
+        "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu" if tiny else "h200-141g", "virtual_gpus": tiny,
+                    "dashboard": False},
+        "plan": {"mode": "heuristic", "seconds": 5},
+        "run": {"name": "peer-grpo", "dir": str(run_dir), "iterations": iterations, "seed": 0},
+        "data": {"path": str(prompts), "tokenizer": str(model_dir), "max_prompt_len": work.prompt_len},
+        "reward": {"function": f"{ROOT / 'benchmarks' / 'peer_reward.py'}:response_length"},
+        # On the GPU the decode step runs under torch.compile (as examples/ppo-1b-h200x2.yaml).
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "compile": not tiny},
+        "ppo": {"actor_lr": 1e-6, "max_grad_norm": 1.0, "weight_decay": 0.0},
+        "grpo": {"kl_loss_coef": 0.0},
+        "tracking": {"wandb": False, "console": False},
+        "checkpoint": {"every": 0, "at_end": False},
+    }
+    path = run_dir.parent / "realray-grpo.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    from app.config import load_config
+
+    load_config(path, overrides)  # fails here, naming the field, before anything starts
+    return path
+
+
+def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micro_batches: int) -> SideResult:
+    """Our GRPO through the driver: every iteration after the first is timed."""
+    from app.config import load_config
+    from app.run.driver import Driver
+    from app.run.runtime import preflight
+
+    result = SideResult("realray GRPO")
+    try:
+        cfg = load_config(config, overrides)
+        inputs = preflight(cfg)
+        if micro_batches:
+            ppo = replace(inputs.settings.ppo, micro_batches=micro_batches)
+            inputs = replace(inputs, settings=replace(inputs.settings, ppo=ppo))
+        calls = [m.name for m in inputs.problem.graph.mfcs]
+        rows = Driver(cfg, run_dir, inputs=inputs).run()
+    except Exception as exc:  # noqa: BLE001  (reported in the table; the TRL side still runs)
+        result.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return result
+    timed = rows[1:]
+    result.step_s = [r["timing_s/iteration"] for r in timed]
+    result.tokens = [round(r["rollout/response_length_mean"] * work.sequences) for r in timed]
+    result.calls = {name: sum(r.get(f"timing_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
+    result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
+                       f"{micro_batches or 'from the runtime'}; old logprobs from the training forward; "
+                       f"sampling.compile={cfg.sampling.compile}")
+    return result
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "-" if not math.isfinite(x) else f"{x:,.{digits}f}"
+
+
+def table(results: list[SideResult], work: Work, model: str) -> str:
+    """One table: per system the timed steps, s/step, completion tokens per step and per second,
+    the ratio to TRL; then our calls' times and each side's settings."""
+    base = next((r for r in results if r.name.startswith("TRL") and not r.error), None)
+    header = (f"{'system':<28}{'timed steps':>12}{'s/step':>10}{'compl. tok/step':>17}{'compl. tok/s':>14}"
+              f"{'vs TRL':>9}")
+    lines = [f"peer_bench: GRPO on {model}, {work.describe()}, one optimizer step per batch, no KL term", header]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.name:<28}  failed: {r.error}")
+            continue
+        ratio = r.tokens_per_s / base.tokens_per_s if base is not None else float("nan")
+        lines.append(f"{r.name:<28}{len(r.step_s):>12}{fmt(r.seconds_per_step):>10}{fmt(r.tokens_per_step, 0):>17}"
+                     f"{fmt(r.tokens_per_s, 0):>14}{fmt(ratio) + 'x' if math.isfinite(ratio) else '-':>9}")
+    for r in results:
+        if r.calls:
+            other = r.seconds_per_step - sum(r.calls.values())
+            parts = [f"{name} {seconds:.2f}" for name, seconds in r.calls.items()] + [f"other {other:.2f}"]
+            lines.append(f"{r.name} calls (s, mean of the timed steps): " + " | ".join(parts))
+    lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="This project's GRPO against TRL's GRPOTrainer on identical work.")
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny model and batch: a check that runs in seconds")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default $OUT/peer or out/peer)")
+    parser.add_argument("--inputs", type=Path, default=None,
+                        help="where the model and prompts are built (default OUT/inputs; 2.5 GB on the GPU)")
+    parser.add_argument("--iterations", type=int, default=None, help="our iterations incl. 1 warm-up (GPU 4, tiny 2)")
+    parser.add_argument("--trl-steps", type=int, default=None, help="TRL steps incl. 1 warm-up (GPU 3, tiny 2)")
+    parser.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per_device_train_batch_size (32)")
+    parser.add_argument("--trl-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off is faster")
+    parser.add_argument("--micro-batches", type=int, default=16, help="our actor micro-batches (0: the runtime's)")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted override of our config, e.g. sampling.compile=true (repeatable)")
+    args = parser.parse_args(argv)
+    for name in ("iterations", "trl_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 2:
+            parser.error(f"--{name.replace('_', '-')}={value}: must be >= 2 (the first step is a warm-up)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tiny = args.tiny
+    work = TINY_WORK if tiny else GPU_WORK
+    out = (args.out or Path(os.environ.get("OUT", "out")) / "peer").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not tiny:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    start = time.perf_counter()
+    inputs = build_inputs((args.inputs or out / "inputs").resolve(), tiny, n_prompts=4 * work.prompts,
+                          prompt_len=work.prompt_len)
+    print(f"inputs built in {time.perf_counter() - start:.1f} s: {inputs.model_dir}", flush=True)
+    iterations = args.iterations or (2 if tiny else 4)
+    results: list[SideResult] = []
+    if not args.skip_ours:
+        config = our_config(inputs.model_dir, inputs.prompts, work, tiny, out / "realray-run", iterations,
+                            args.overrides)
+        ours = run_ours(config, args.overrides, out / "realray-run", work, args.micro_batches)
+        if ours.error and not tiny and "sampling.compile=false" not in args.overrides:
+            # A failure to compile must not cost the comparison: once more, uncompiled.
+            print(f"ours failed ({ours.error}); again with sampling.compile=false", flush=True)
+            first = ours.error
+            ours = run_ours(config, [*args.overrides, "sampling.compile=false"], out / "realray-run-b", work,
+                            args.micro_batches)
+            ours.settings += f"; the compiled run failed first: {first}"
+        results.append(ours)
+        # Printed now too: if TRL's side is cut short, ours is still on record.
+        print(f"ours done at {time.perf_counter() - start:.1f} s\n{table(results, work, 'ours alone')}", flush=True)
+    if not args.skip_trl:
+        settings = TrlSettings(micro_batch=args.trl_micro_batch or (8 if tiny else 32), dtype=args.trl_dtype,
+                               gradient_checkpointing=args.trl_gradient_checkpointing,
+                               steps=args.trl_steps or (2 if tiny else 3))
+        results.insert(0, run_trl(inputs.model_dir, inputs.prompts, work.prompts, work.group, work.gen_len, settings,
+                                  out, on_gpu=not tiny))
+        print(f"TRL done at {time.perf_counter() - start:.1f} s", flush=True)
+    model = "a tiny Llama (CPU)" if tiny else "Llama-3.2-1B shape, random weights, bf16, one GPU"
+    text = table(results, work, model)
+    (out / "peer_bench.txt").write_text(text + "\n")
+    summary = {"work": asdict(work), "results": [{**asdict(r), "seconds_per_step": r.seconds_per_step,
+                                                  "tokens_per_s": r.tokens_per_s} for r in results]}
+    (out / "peer_bench.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(text)
+    ours = next((r for r in results if r.name.startswith("realray")), None)
+    return 1 if ours is not None and ours.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

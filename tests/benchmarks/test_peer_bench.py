@@ -1,0 +1,52 @@
+"""benchmarks/peer_bench.py in its CPU mode (--tiny): both systems get the same prompt ids, and
+one call measures our GRPO (and TRL's GRPOTrainer where `trl` imports) and prints the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.peer_bench import main
+from benchmarks.peer_setup import build_inputs
+from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
+
+
+@pytest.mark.unit
+def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from app.data import build_prompt_dataset, load_tokenizer
+
+    inputs = build_inputs(tmp_path, tiny=True, n_prompts=6, prompt_len=12)
+    hf = AutoTokenizer.from_pretrained(inputs.model_dir)
+    assert len(hf) == inputs.spec.vocab_size and hf.eos_token_id == inputs.spec.eos_token_id
+    ours = build_prompt_dataset(inputs.prompts, load_tokenizer(str(inputs.model_dir)), max_prompt_len=12)
+    texts = [json.loads(line)["prompt"] for line in inputs.prompts.read_text().splitlines()]
+    trl_ids = [hf(text, add_special_tokens=False)["input_ids"] for text in texts]  # how TRL encodes prompts
+    assert [list(e.prompt_ids) for e in ours] == trl_ids
+    assert all(len(ids) == 12 for ids in trl_ids)
+
+
+@pytest.mark.ray
+def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_path: Path,  # noqa: F811
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--tiny", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "peer_bench.json").read_text())
+    by_name = {r["name"].split()[0]: r for r in summary["results"]}
+    ours = by_name["realray"]
+    assert ours["error"] is None and len(ours["step_s"]) == 1 and ours["step_s"][0] > 0
+    assert ours["tokens"][0] > 0 and ours["tokens_per_s"] > 0
+    # No KL term: the reference model is not run; the reward is scored from decoded text.
+    assert list(ours["calls"]) == ["actor_gen", "rew_inf", "actor_train"]
+    trl = by_name["TRL"]
+    table = capsys.readouterr().out
+    assert "realray GRPO" in table and "actor_train" in table
+    if importlib.util.find_spec("trl") is None:
+        assert "not importable" in trl["error"]
+        return
+    assert trl["error"] is None and len(trl["step_s"]) == 1 and trl["tokens"][0] > 0
+    ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
+    assert f"{ratio:,.2f}x" in table
