@@ -2,9 +2,14 @@
 
 The cluster is covered by one placement group per node: M bundles `{"GPU": 1, "CPU": k}`,
 STRICT_PACK, so a node's GPUs are reserved together (virtual GPUs too: Ray counts them as
-resources). Worker `node * M + local` is created in bundle `local` of node `node`'s group and
-named `worker-n{node}-g{local}`, which is what the Ray dashboard shows. The global rank of a
-worker equals its global GPU index, so a mesh's GPUs are the workers with those ranks.
+resources; on a cluster without GPU resources virtual GPUs are `{"CPU": slot}` bundles, see
+`cluster.resources`). The planner's nodes are chosen before anything is reserved
+(`cluster.resources.select_nodes`: a cluster too small fails at once, naming what is missing),
+and group i is pinned to planner node i's Ray node, so node order, rank order and the machines
+agree whatever Ray would have picked. Worker `node * M + local` is created in bundle `local` of
+node `node`'s group and named `worker-n{node}-g{local}`, which is what the Ray dashboard shows.
+The global rank of a worker equals its global GPU index, so a mesh's GPUs are the workers with
+those ranks; its `WorkerSlot` also records the Ray node id and IP (to name a lost node).
 
 The worker class is any plain Python class; `ray.remote` is applied here. On real GPUs Ray sets
 CUDA_VISIBLE_DEVICES per actor, so a worker always computes on `cuda:0`.
@@ -15,6 +20,7 @@ them and, when a worker raises, raises `WorkerCallError` naming the worker, its 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.resources import gpu_nodes
+from cluster.resources import RayNode, cpu_slot_node, gpu_nodes, select_nodes
 from planning.layout import ClusterSpec
 
 # Env vars every worker gets: NVLink SHARP / multicast stays off (the lent H200 hosts do not
@@ -36,16 +42,21 @@ DEFAULT_WORKER_ENV_VARS: dict[str, str] = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+# The label every Ray node carries with its id: bundles select their node by it.
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSlot:
-    """Where one worker lives: its global rank (= global GPU index), node and local GPU."""
+    """Where one worker lives: its global rank (= global GPU index), planner node and local GPU,
+    and the Ray node (id, IP) that planner node is."""
 
     rank: int
     node: int
     local_gpu: int
     name: str
+    node_id: str = ""
+    ip: str = ""
 
 
 @dataclass(frozen=True)
@@ -189,8 +200,10 @@ def create_workers(
     *,
     rank_kwargs: Sequence[Mapping[str, Any]] | None = None,
     cpus_per_worker: float = 0.0,
+    gpus_per_worker: float = 1.0,
     name_prefix: str = "worker",
     ready_timeout_s: float = 300.0,
+    nodes: Sequence[RayNode] | None = None,
     concurrency_groups: Mapping[str, int] | None = None,
 ) -> WorkerGroup:
     """Reserve every GPU of `cluster_spec` and start one `cls` actor per GPU.
@@ -200,24 +213,32 @@ def create_workers(
     env_vars: extra environment of every worker, over `DEFAULT_WORKER_ENV_VARS`.
     cpus_per_worker: the CPU share k of each bundle and actor (0 is allowed: on a CPU box with
         virtual GPUs the cores are too few to reserve one per worker).
+    gpus_per_worker: the GPU share of each bundle and actor: 1, or 0 where virtual GPUs are CPU
+        slots of a cluster without GPU resources (`RayClusterInfo.gpus_per_worker`).
+    nodes: the Ray node of each planner node; None chooses them with `select_nodes` (a cluster
+        too small raises `ClusterShortfall` before anything is reserved).
     concurrency_groups: Ray concurrency groups (name -> threads) besides the default one, whose
         single thread keeps the submission order; a method call submitted with
         `.options(concurrency_group=name)` runs on that group's threads.
     Waits until every constructor has run; a constructor that raises gives `WorkerCallError`.
     """
-    _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, env_vars)
-    groups = reserve_nodes(cluster_spec, cpus_per_worker, name_prefix, ready_timeout_s)
+    _validate_create_args(cls, cluster_spec, rank_kwargs, cpus_per_worker, gpus_per_worker, env_vars)
+    if nodes is None:
+        nodes = default_nodes(cluster_spec, cpus_per_worker, gpus_per_worker)
+    if len(nodes) != cluster_spec.nodes:
+        raise ValueError(f"{len(nodes)} Ray nodes given for a cluster of {cluster_spec.nodes} nodes")
+    groups = reserve_nodes(cluster_spec, nodes, cpus_per_worker, name_prefix, ready_timeout_s, gpus_per_worker)
     env = {**DEFAULT_WORKER_ENV_VARS, **(env_vars or {})}
     remote_cls = ray.remote(concurrency_groups=dict(concurrency_groups))(cls) if concurrency_groups else ray.remote(cls)
     actors, slots = [], []
-    for node, group in enumerate(groups):
+    for node, (group, ray_node) in enumerate(zip(groups, nodes)):
         for local in range(cluster_spec.gpus_per_node):
             rank = node * cluster_spec.gpus_per_node + local
-            slot = WorkerSlot(rank, node, local, f"{name_prefix}-n{node}-g{local}")
+            slot = WorkerSlot(rank, node, local, f"{name_prefix}-n{node}-g{local}", ray_node.node_id, ray_node.ip)
             kwargs = {**ctor_kwargs, **(rank_kwargs[rank] if rank_kwargs is not None else {})}
             actor = remote_cls.options(
                 name=slot.name,
-                num_gpus=1,
+                num_gpus=gpus_per_worker,
                 num_cpus=cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=local),
                 runtime_env={"env_vars": env},
@@ -234,20 +255,13 @@ def create_workers(
     return workers
 
 
-def reserve_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, name_prefix: str,
-                  ready_timeout_s: float) -> list[PlacementGroup]:
-    """One STRICT_PACK placement group per node, returned in the cluster's node order.
-
-    Ray picks the node of each group; the groups are then sorted by the node order of
-    `cluster.resources.gpu_nodes` (head first, then IP), so planner node i is the same machine
-    `describe_cluster` called node i.
-    """
-    bundle = {"GPU": 1.0, "CPU": float(cpus_per_worker)}
-    groups = [
-        placement_group([dict(bundle) for _ in range(cluster_spec.gpus_per_node)], strategy="STRICT_PACK",
-                        name=f"{name_prefix}-pg{i}")
-        for i in range(cluster_spec.nodes)
-    ]
+def reserve_nodes(cluster_spec: ClusterSpec, nodes: Sequence[RayNode], cpus_per_worker: float, name_prefix: str,
+                  ready_timeout_s: float, gpus_per_worker: float = 1.0) -> list[PlacementGroup]:
+    """One STRICT_PACK placement group per planner node, group i on Ray node `nodes[i]`."""
+    shares = {"GPU": float(gpus_per_worker), "CPU": float(cpus_per_worker)}
+    bundle = {name: amount for name, amount in shares.items() if amount > 0}
+    groups = [pinned_group([dict(bundle) for _ in range(cluster_spec.gpus_per_node)], node.node_id,
+                           f"{name_prefix}-pg{i}") for i, node in enumerate(nodes)]
     try:
         ray.get([g.ready() for g in groups], timeout=ready_timeout_s)
     except GetTimeoutError:
@@ -255,28 +269,51 @@ def reserve_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, name_prefix
             remove_placement_group(g)
         raise TimeoutError(
             f"placement groups for {cluster_spec.nodes} node(s) x {cluster_spec.gpus_per_node} bundles "
-            f"{bundle} not ready after {ready_timeout_s} s: the Ray cluster lacks these resources"
+            f"{bundle} not ready after {ready_timeout_s} s: other jobs hold these resources of nodes "
+            f"{', '.join(n.describe() for n in nodes)}"
         ) from None
-    node_order = [n.node_id for n in gpu_nodes(ray.nodes())]
-    node_of_group = [placement_group_table(g)["bundles_to_node_id"][0] for g in groups]
-    if len(set(node_of_group)) != len(groups):
-        for g in groups:
-            remove_placement_group(g)
-        raise ValueError(
-            f"two placement groups of {cluster_spec.gpus_per_node} GPUs landed on one node: the nodes hold "
-            f"more GPUs than cluster gpus_per_node={cluster_spec.gpus_per_node}; set it to the real count"
-        )
-    return [g for _, g in sorted(zip(node_of_group, groups), key=lambda pair: node_order.index(pair[0]))]
+    for group, node in zip(groups, nodes):
+        landed = set(placement_group_table(group)["bundles_to_node_id"].values())
+        if landed != {node.node_id}:  # only possible with the soft hint of an old Ray
+            for g in groups:
+                remove_placement_group(g)
+            raise ValueError(f"placement group for node {node.describe()} landed on Ray node(s) {sorted(landed)}; "
+                             "Ray 2.49 or newer pins groups to their node (bundle label selectors)")
+    return groups
+
+
+def pinned_group(bundles: list[dict[str, float]], node_id: str, name: str) -> PlacementGroup:
+    """A STRICT_PACK group of `bundles` on the Ray node `node_id` (by its node-id label; an
+    older Ray without bundle label selectors gets the soft node hint instead)."""
+    if "bundle_label_selector" in inspect.signature(placement_group).parameters:
+        return placement_group(bundles, strategy="STRICT_PACK", name=name,
+                               bundle_label_selector=[{NODE_ID_LABEL: node_id} for _ in bundles])
+    return placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=node_id)
+
+
+def default_nodes(cluster_spec: ClusterSpec, cpus_per_worker: float, gpus_per_worker: float) -> tuple[RayNode, ...]:
+    """The planner's nodes when the caller names none: the first that fit (`select_nodes`), or,
+    for CPU slots (no GPU share), the one node whose CPUs hold them (`cpu_slot_node`)."""
+    records = ray.nodes()
+    if gpus_per_worker == 0:
+        if cluster_spec.nodes != 1:
+            raise ValueError(f"virtual GPUs as CPU slots live on one node; the cluster asks for {cluster_spec.nodes}")
+        return (cpu_slot_node(records, cluster_spec.gpus_per_node),)
+    return select_nodes(gpu_nodes(records), cluster_spec.nodes, cluster_spec.gpus_per_node, cpus_per_worker)
 
 
 def _validate_create_args(cls: type, cluster_spec: ClusterSpec, rank_kwargs: Sequence[Mapping[str, Any]] | None,
-                          cpus_per_worker: float, env_vars: Mapping[str, str] | None) -> None:
+                          cpus_per_worker: float, gpus_per_worker: float, env_vars: Mapping[str, str] | None) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"cls={cls!r}: must be a plain class (ray.remote is applied by create_workers)")
     if rank_kwargs is not None and len(rank_kwargs) != cluster_spec.n_gpus:
         raise ValueError(f"rank_kwargs has {len(rank_kwargs)} entries; the cluster has {cluster_spec.n_gpus} GPUs")
     if cpus_per_worker < 0:
         raise ValueError(f"cpus_per_worker={cpus_per_worker}: must be >= 0")
+    if gpus_per_worker not in (0.0, 1.0):
+        raise ValueError(f"gpus_per_worker={gpus_per_worker}: must be 1 (one GPU per worker) or 0 (CPU slots)")
+    if gpus_per_worker == 0 and cpus_per_worker <= 0:
+        raise ValueError("gpus_per_worker=0 needs cpus_per_worker > 0: a placement bundle must reserve something")
     for key, value in (env_vars or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"env_vars[{key!r}]={value!r}: names and values must be strings")

@@ -2,7 +2,7 @@
 
 Each command lives in its own module exposing `add_parser(subparsers)`, which registers its
 arguments and sets `run=<function(args) -> exit status>`. Commands are listed explicitly in
-`COMMAND_MODULES` (add `train`, `generate`, `score`, `profile`, `export` there); command modules
+`COMMAND_MODULES` (add `train`, `generate`, `score`, `profile`, `report`, `export` there); command modules
 keep heavy imports (torch, ray) inside their run functions so `plan` starts fast.
 
 Bad input (ConfigError, ValueError, a missing file) exits with status 2 and one line on stderr,
@@ -16,11 +16,11 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
-from app.cli import generate, plan, profile, score, train
+from app.cli import generate, plan, profile, report, score, train
 from app.config import ConfigError
 
 # Modules defining one command each (`add_parser`). Explicit, so the CLI is readable in one place.
-COMMAND_MODULES: tuple[ModuleType, ...] = (plan, generate, train, score, profile)
+COMMAND_MODULES: tuple[ModuleType, ...] = (plan, generate, train, score, profile, report)
 
 USAGE_ERROR = 2
 

@@ -1,4 +1,4 @@
-"""`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick]`.
+"""`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick] [--inter-node]`.
 
 Measures this machine (actors.worker.profiler: matmul FLOP/s, memory copy bandwidth, collectives
 over local processes, an engine train step and decode steps against the cost model), prints a
@@ -9,6 +9,11 @@ it through `plan.profile: profile.json`: the measured HardwareSpec fields replac
 Device: CUDA when available (bf16, one GPU per rank, NCCL), else CPU (fp32, gloo). The preset
 defaults to the one matching the GPU's name ("cpu" on CPU). `--quick` finishes in seconds on
 CPU; the full run is sized for about a minute on an H200.
+
+`--inter-node` measures the link between two nodes instead (cluster.link_probe: one process on
+each of the first two GPU nodes of the Ray cluster at RAY_ADDRESS, a broadcast between them)
+and writes `inter_node_bw` into --out, keeping the figures already there: run it after the
+single-node profile to complete it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks of that model to keep")
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds on CPU")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--inter-node", action="store_true",
+                        help="measure the link between two nodes of the Ray cluster at RAY_ADDRESS (one GPU each) "
+                             "and add inter_node_bw to --out")
     parser.set_defaults(run=run)
 
 
@@ -98,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.worker import ProfileSettings
 
+    if args.inter_node:
+        return run_inter_node(args)
+
     cuda = torch.cuda.is_available()
     gpu_count = torch.cuda.device_count() if cuda else 0
     device, preset, ranks, model = resolve_arguments(args, cuda, gpu_count,
@@ -111,6 +122,43 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(profile, preset))
     write_profile(profile, args.out)
     print(f"wrote {args.out}; use it with plan.profile={args.out}")
+    return 0
+
+
+def run_inter_node(args: argparse.Namespace) -> int:
+    """`--inter-node`: time the link between two Ray nodes; add `inter_node_bw` to --out."""
+    import ray
+
+    from actors.worker import ProfileSettings
+    from cluster.link_probe import measure_inter_node
+    from cluster.resources import RayStartOptions, connect, probe_cuda, select_nodes
+
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: must be a file path in an existing directory")
+    if not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        raise ValueError("--inter-node: needs a Ray cluster of two or more GPU nodes; set RAY_ADDRESS to its head "
+                         "(e.g. RAY_ADDRESS=10.0.0.1:6379)")
+    started_ray = not ray.is_initialized()
+    try:
+        info = connect(RayStartOptions(hardware="cpu"))  # a preset given: no detection task
+        ends = select_nodes(info.nodes, 2, 1)
+        cuda = args.device != "cpu" and all(probe_cuda(ends).values())
+        if args.device == "cuda" and not cuda:
+            raise ValueError("--device cuda: torch sees no CUDA device on the first two GPU nodes; use --device cpu")
+        settings = ProfileSettings.choose("cuda" if cuda else "cpu", model_preset("tiny"), args.quick)
+        timing = measure_inter_node(settings.comm_bytes, virtual=not cuda, warmup=settings.warmup, reps=settings.reps)
+    finally:
+        if started_ray:
+            ray.shutdown()
+    profile = json.loads(out.read_text()) if out.is_file() else {}
+    profile["inter_node_bw"] = timing.bandwidth
+    profile.setdefault("measurements", {})["inter_node"] = {
+        **asdict(timing), "bandwidth": timing.bandwidth, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_profile(profile, out)
+    print(f"inter-node link {timing.nodes[0]} -> {timing.nodes[1]} ({timing.backend}, {timing.nbytes} bytes): "
+          f"{timing.bandwidth / 1e9:.4g} GB/s, fixed cost {timing.small_allreduce_s * 1e6:.0f} us")
+    print(f"wrote inter_node_bw to {out}; use it with plan.profile={out}")
     return 0
 
 

@@ -3,6 +3,7 @@
 May import planning and app.config (no torch at import time). In dependency order:
   toy_task  the built-in toy task: prompts, a character tokenizer and its rule-based reward
   datasets  JSONL/Parquet prompt files and DPO preference pairs, tokenisation, the batch iterator
+  gsm8k     GSM8K-format math problems (question, answer ending `#### N`) turned into prompt files
   rewards   rule-based reward functions named by a `module:function` string
 """
 
@@ -20,7 +21,8 @@ from app.data.datasets import (
     read_text_column,
     tokenize_preferences,
 )
-from app.data.rewards import RewardLoadError, load_reward_fn
+from app.data.gsm8k import GSM8K_INSTRUCTION, final_answer, prepare_gsm8k
+from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
 
 __all__ = [
     # toy_task.py
@@ -28,6 +30,8 @@ __all__ = [
     # datasets.py
     "BatchIterator", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
     "load_preference_records", "load_tokenizer", "read_text_column", "tokenize_preferences",
+    # gsm8k.py
+    "GSM8K_INSTRUCTION", "final_answer", "prepare_gsm8k",
     # rewards.py
-    "RewardLoadError", "load_reward_fn",
+    "RewardLoadError", "load_reward_fn", "math_exact_match",
 ]

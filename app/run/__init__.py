@@ -5,7 +5,9 @@ Imports everything below it (actors, cluster, planning, app.config/data/reportin
 imports torch and ray, so the CLI imports it inside the commands that run. In dependency order:
   schedule    what the driver submits for one iteration and which shards each consumer gets
   checkpoint  HF exports of the trained models under `<run_dir>/checkpoints/iter_N/`
+  cluster_check  the configured nodes x GPUs against the live Ray cluster (the planner's nodes)
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
+  failures    a lost Ray node named with the calls in flight on it
   driver      `Driver`: runs the plan's dataflow graph iteration after iteration
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """

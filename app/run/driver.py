@@ -18,6 +18,7 @@ driver hands the data ObjectRefs of producers' data owners to consumers as top-l
 Failures end the run with a `DriverError` naming the operation, the iteration and the worker:
 a worker that raised or died as soon as its result arrives, and a stall (no operation finishing
 for `run.call_timeout_s`; collectives themselves time out after `run.collective_timeout_s`).
+A lost Ray node is named with the operations in flight on it (app.run.failures).
 metrics.jsonl, timeline.jsonl and complete checkpoints written before stay valid.
 """
 
@@ -38,14 +39,17 @@ from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, PromptExample
 from app.reporting import (
+    RayMetricsExporter,
     TimelineRecord,
     Tracker,
     append_records,
+    append_samples,
     plan_json,
     plan_report,
     realloc_metrics,
     records_of,
     rollout_metrics,
+    rollout_samples,
     span,
     throughput,
     timing_metrics,
@@ -54,6 +58,7 @@ from app.reporting import (
 )
 from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
 from app.run.dynamic_sampling import SELECT_CALL, GroupFilter, rewards_in_row_order, select_call
+from app.run.failures import explain_node_loss
 from app.run.runtime import (
     TrainInputs,
     connect_cluster,
@@ -68,6 +73,7 @@ from app.run.runtime import (
 )
 from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
 from app.run.staleness import StageSchedule, staleness_metrics
+from cluster.health import NODE_LOSS_WAIT_S
 from cluster.placement import WorkerGroup
 from planning.plan import Placement
 from planning.simulate import simulate
@@ -164,6 +170,7 @@ class Driver:
         self.tracker = Tracker(self.run_dir, project=cfg.tracking.project, run_name=self.run_dir.name,
                                config=cfg.model_dump(mode="json"), total_iterations=self.total_iterations,
                                wandb_enabled=cfg.tracking.wandb, console=cfg.tracking.console)
+        self.ray_metrics = RayMetricsExporter(self.run_dir.name)  # Gauges for the cluster's Prometheus
 
     def _write_plan(self) -> None:
         sim = simulate(self.problem, self.plan)
@@ -363,7 +370,8 @@ class Driver:
                 realloc_metas += metas[sub]
         if pending.checkpoint is not None:
             exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
-            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports)
+            mark_complete(pending.checkpoint, pending.iteration + 1, list(self.graph.trained_roles), exports,
+                          tokenizer_dir=self.cfg.data.tokenizer)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         kinds = {m.name: m.kind for m in self.graph.mfcs}
@@ -378,6 +386,8 @@ class Driver:
             self.kl.update(metrics["actor/kl"], self._n_sequences())
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
+        self.ray_metrics.export(metrics, pending.iteration)
+        append_samples(self.run_dir / "samples.jsonl", pending.iteration, rollout_samples(call_metas, kinds))
         return {"iteration": float(pending.iteration), **metrics}
 
     def _wait(self, pending: PendingIteration) -> dict[SubmittedOp, list[Any]]:
@@ -396,6 +406,10 @@ class Driver:
                     results[ref] = ray.get(ref)
                 except RayError as error:
                     sub, rank = where[ref]
+                    ops = [*pending.ops, *(op for later in self._pending for op in later.ops)]
+                    lost = explain_node_loss(self.workers.slots, ops, error, min(timeout, NODE_LOSS_WAIT_S))
+                    if lost is not None:
+                        raise DriverError(lost) from error
                     sub = self._first_failed(rank, pending, sub)
                     raise DriverError(f"{sub.describe()} failed on worker {self.workers.slots[rank].name} "
                                       f"(rank {rank}): {_cause(error)}") from error
@@ -421,6 +435,9 @@ class Driver:
     def _raise_stall(self, pending: PendingIteration, remaining: list[ray.ObjectRef],
                      where: dict[ray.ObjectRef, tuple[SubmittedOp, int]], timeout: float) -> None:
         assert self.workers is not None
+        lost = explain_node_loss(self.workers.slots, pending.ops, TimeoutError(), max_wait_s=0.0)
+        if lost is not None:
+            raise DriverError(lost)
         first = min((where[ref] for ref in remaining), key=lambda sr: pending.ops.index(sr[0]))
         stuck = [self.workers.slots[rank].name for sub, rank in (where[r] for r in remaining) if sub is first[0]]
         raise DriverError(f"{first[0].describe()} made no progress for {timeout:g} s (run.call_timeout_s) on "

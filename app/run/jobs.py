@@ -17,7 +17,7 @@ from actors.worker import CallSpec, ModelWorker, placement_group_sets
 from app.run.runtime import init_world, join_virtual_cluster
 from app.run.schedule import data_owners
 from cluster.placement import WorkerGroup, create_workers
-from cluster.resources import RayStartOptions, connect
+from cluster.resources import ClusterShortfall, RayStartOptions, connect, select_nodes
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -34,16 +34,17 @@ class LayoutJob:
         virtual = _virtual_gpus(layout)
         join_virtual_cluster(virtual > 0)
         info = connect(RayStartOptions(virtual_gpus=virtual, include_dashboard=False))
-        if info.spec.gpus_per_node < layout.world_size:
-            raise ValueError(f"--layout {layout}: needs {layout.world_size} GPUs on one node; the Ray cluster has "
-                             f"{info.spec.gpus_per_node} per node")
+        try:
+            nodes = select_nodes(info.nodes, 1, layout.world_size, info.cpus_per_worker)
+        except ClusterShortfall as exc:
+            raise ValueError(f"--layout {layout}: needs {layout.world_size} GPUs on one node; {exc}") from None
         cluster = ClusterSpec(1, layout.world_size, info.spec.hardware)
         self.placement = Placement(Mesh(0, layout.world_size, layout.world_size), layout)
         self.timeout_s = timeout_s
         self.workers: WorkerGroup | None = create_workers(
             ModelWorker, cluster, {"world_size": layout.world_size, "device": info.device},
-            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=0.0 if info.virtual else 1.0,
-            name_prefix="job-worker",
+            rank_kwargs=[{"rank": r} for r in range(layout.world_size)], cpus_per_worker=info.cpus_per_worker,
+            gpus_per_worker=info.gpus_per_worker, name_prefix="job-worker", nodes=nodes,
         )
         try:
             init_world(self.workers, info.backend, timeout_s)

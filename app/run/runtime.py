@@ -7,13 +7,13 @@ rejected fields) and checks there are enough prompts (pairs) for a batch.
 Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
-`connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; checks the Ray cluster holds
-the configured GPUs), `start_plan_search` (the search runs in a `PlannerService` actor while the
-workers start), `start_workers` + `init_world` (one `ModelWorker` per GPU, torch.distributed
-rendezvous with a timeout), `setup_groups` (every process group the plan will use: each
-placement's layout groups and each reallocation's broadcast groups, created once, in one
-order, on every rank) and `load_models` (trained roles on their train placement, frozen roles
-on their first call's placement).
+`connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; picks the planner's nodes of
+the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (the search
+runs in a `PlannerService` actor while the workers start), `start_workers` + `init_world` (one
+`ModelWorker` per GPU, torch.distributed rendezvous with a timeout), `setup_groups` (every
+process group the plan will use: each placement's layout groups and each reallocation's
+broadcast groups, created once, in one order, on every rank) and `load_models` (trained roles
+on their train placement, frozen roles on their first call's placement).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from app.data import (
     load_tokenizer,
     tokenize_preferences,
 )
+from app.run.cluster_check import check_local_start, planner_nodes
 from app.run.schedule import home_placements, realloc_member_sets
 from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
@@ -183,27 +184,18 @@ def _load_preferences(cfg: ExperimentConfig, tokenizer: Any) -> list[PreferenceE
 
 
 def connect_cluster(cfg: ExperimentConfig) -> RayClusterInfo:
-    """Connect to RAY_ADDRESS or start a local Ray (virtual GPUs on CPU); check it is big enough."""
+    """Connect to RAY_ADDRESS or start a local Ray (virtual GPUs on CPU); returns it narrowed to
+    the planner's nodes (ConfigError naming what the Ray cluster lacks)."""
     c = cfg.cluster
-    n_gpus = c.nodes * c.gpus_per_node
-    if c.virtual_gpus and c.nodes != 1:
-        raise ConfigError("cluster.nodes", c.nodes, "1 with cluster.virtual_gpus=true (one local Ray node)")
-    options = RayStartOptions(virtual_gpus=n_gpus if c.virtual_gpus else 0, hardware=c.gpu,
+    check_local_start(cfg)
+    options = RayStartOptions(virtual_gpus=c.nodes * c.gpus_per_node if c.virtual_gpus else 0, hardware=c.gpu,
                               include_dashboard=c.dashboard)
-    join_virtual_cluster(c.virtual_gpus)
-    info = connect(options)
-    have = info.spec
-    if have.gpus_per_node < c.gpus_per_node or have.nodes < c.nodes:
-        raise ConfigError("cluster", f"{c.nodes}x{c.gpus_per_node}",
-                          f"at most the {have.nodes}x{have.gpus_per_node} GPUs of the Ray cluster",
-                          problem="larger than the Ray cluster")
-    return info
+    return planner_nodes(cfg, connect(options))
 
 
 def join_virtual_cluster(virtual: bool) -> None:
     """With virtual GPUs and RAY_ADDRESS set (e.g. `ray start --head --num-gpus 4` on a machine
-    without GPUs, then `ray job submit`), join that cluster here: `connect` refuses an address
-    with virtual GPUs (it would start its own instance) but reuses an initialised Ray."""
+    without GPUs, then `ray job submit`), join that cluster here (`connect` would join it too)."""
     address = os.environ.get("RAY_ADDRESS")
     if virtual and address and not ray.is_initialized():
         ray.init(address=address)
@@ -237,15 +229,18 @@ def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -
     return create_workers(
         worker_cls, spec, {"world_size": spec.n_gpus, "device": info.device},
         rank_kwargs=[{"rank": r} for r in range(spec.n_gpus)],
-        cpus_per_worker=0.0 if info.virtual else 1.0,
+        cpus_per_worker=info.cpus_per_worker, gpus_per_worker=info.gpus_per_worker,
         env_vars={"OMP_NUM_THREADS": "1"} if info.virtual else None,
-        concurrency_groups=CONCURRENCY_GROUPS,
+        nodes=info.nodes, concurrency_groups=CONCURRENCY_GROUPS,
     )
 
 
 def init_world(workers: WorkerGroup, backend: str, timeout_s: float) -> None:
     """Rendezvous: rank 0 reports an address, every worker joins one world with a timeout."""
     (addr, port), = workers.run("address", ranks=[0], timeout_s=timeout_s)
+    # Host it on rank 0's Ray node address, which the other nodes reach (the worker's own guess
+    # is the interface of its default route, which on a multi-homed node may not be that one).
+    addr = workers.slots[0].ip or addr
     workers.run("init_distributed", addr, port, backend, timeout_s, timeout_s=timeout_s + 60.0)
 
 

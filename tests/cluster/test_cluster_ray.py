@@ -32,12 +32,17 @@ from cluster.collective import (
 from cluster.placement import WorkerCallError, WorkerGroup, create_workers
 from cluster.resources import (
     PACKAGES_ROOT,
+    VIRTUAL_SLOT_CPU,
+    ClusterShortfall,
+    RayClusterInfo,
     RayStartOptions,
     connect,
+    cpu_slot_node,
     gpu_nodes,
+    node_order,
     preset_for_gpu_name,
     ray_init_kwargs,
-    uniform_gpu_count,
+    select_nodes,
 )
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
@@ -132,6 +137,23 @@ def test_constructor_error_names_the_worker_and_frees_the_gpus(ray_session: None
     while ray.available_resources().get("GPU", 0) < GPUS and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU", 0) == GPUS
+
+
+@pytest.mark.ray
+def test_virtual_gpus_as_cpu_slots(ray_session: None) -> None:  # noqa: F811
+    # What a job on a Ray cluster without GPUs gets (a default `ray start --head` on a CPU box):
+    # bundles of a CPU sliver, actors holding no GPU; the cluster's GPUs stay untouched.
+    two = ClusterSpec(nodes=1, gpus_per_node=2, hardware=hardware_preset("cpu"))
+    group = create_workers(ProbeWorker, two, {"tag": "slot"}, rank_kwargs=[{"rank": r} for r in range(2)],
+                           cpus_per_worker=VIRTUAL_SLOT_CPU, gpus_per_worker=0.0, name_prefix="slot",
+                           ready_timeout_s=120)
+    try:
+        described = group.run("describe", timeout_s=60)
+        assert [d["name"] for d in described] == ["slot-n0-g0", "slot-n0-g1"]
+        assert all(d["gpu_ids"] == [] for d in described)
+        assert ray.available_resources().get("GPU", 0) == GPUS
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.ray
@@ -297,32 +319,75 @@ def test_world_join_times_out_instead_of_hanging() -> None:
         init_world(0, 2, "127.0.0.1", port, "mpi", timeout_s=1.0)
 
 
-@pytest.mark.unit
-def test_nodes_with_different_gpu_counts_are_named() -> None:
-    def record(node_id: str, ip: str, gpus: float, head: bool = False) -> dict[str, Any]:
-        resources = {"GPU": gpus, "CPU": 8.0, **({"node:__internal_head__": 1.0} if head else {})}
-        return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": True, "Resources": resources}
+def node_record(node_id: str, ip: str, gpus: float, head: bool = False, cpus: float = 8.0) -> dict[str, Any]:
+    resources = {"GPU": gpus, "CPU": cpus, **({"node:__internal_head__": 1.0} if head else {})}
+    return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": True, "Resources": resources}
 
-    nodes = gpu_nodes([record("b" * 16, "10.0.0.2", 8), record("a" * 16, "10.0.0.9", 8, head=True),
+
+@pytest.mark.unit
+def test_nodes_in_cluster_order_and_the_planner_nodes_among_them() -> None:
+    nodes = gpu_nodes([node_record("b" * 16, "10.0.0.2", 8), node_record("a" * 16, "10.0.0.9", 8, head=True),
                        {"NodeID": "c", "NodeManagerAddress": "10.0.0.3", "Alive": False, "Resources": {"GPU": 8}}])
     assert [n.ip for n in nodes] == ["10.0.0.9", "10.0.0.2"]  # head first; dead node dropped
-    assert uniform_gpu_count(nodes) == 8
-    uneven = gpu_nodes([record("a" * 16, "10.0.0.1", 8, head=True), record("b" * 16, "10.0.0.2", 4)])
-    with pytest.raises(ValueError, match=r"10\.0\.0\.1 \(aaaaaaaa\): 8, 10\.0\.0\.2 \(bbbbbbbb\): 4"):
-        uniform_gpu_count(uneven)
     with pytest.raises(ValueError, match="virtual_gpus"):
-        gpu_nodes([record("a", "10.0.0.1", 0)])
+        gpu_nodes([node_record("a", "10.0.0.1", 0)])
+    # Uneven nodes: the planner takes the first ones that hold the configured GPUs and CPUs.
+    uneven = gpu_nodes([node_record("a" * 16, "10.0.0.1", 4, head=True, cpus=2), node_record("b" * 16, "10.0.0.2", 8),
+                        node_record("c" * 16, "10.0.0.3", 8, cpus=4)])
+    assert [n.ip for n in select_nodes(uneven, 2, 4)] == ["10.0.0.1", "10.0.0.2"]
+    assert [n.ip for n in select_nodes(uneven, 2, 8)] == ["10.0.0.2", "10.0.0.3"]
+    assert [n.ip for n in select_nodes(uneven, 2, 4, cpus_per_gpu=1.0)] == ["10.0.0.2", "10.0.0.3"]
+
+
+@pytest.mark.unit
+def test_a_cluster_too_small_names_what_is_missing_and_what_it_has() -> None:
+    two = gpu_nodes([node_record("a" * 16, "10.0.0.1", 2, head=True, cpus=1), node_record("b" * 16, "10.0.0.2", 2, cpus=3)])
+    have = "2 GPU node(s): 10.0.0.1 (aaaaaaaa, head): 2 GPUs, 1 CPUs; 10.0.0.2 (bbbbbbbb): 2 GPUs, 3 CPUs"
+    cases = [
+        ((3, 2, 0.0), "cluster.nodes=3 nodes of cluster.gpus_per_node=2 GPUs, but only 2 node(s) hold 2 GPUs"),
+        ((1, 4, 0.0), "no node holds 4 GPUs (the most on one node: 2)"),
+        ((2, 2, 1.0), ("with 2 CPUs each for their workers (1 per GPU), but only 1 node(s) have them; "
+                       "short of CPUs: 10.0.0.1 (aaaaaaaa)")),
+    ]
+    for (n, m, cpus), missing in cases:
+        with pytest.raises(ClusterShortfall) as caught:
+            select_nodes(two, n, m, cpus)
+        assert missing in caught.value.missing and caught.value.have == have
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.unit
+def test_a_cluster_without_gpus_lends_cpu_slots() -> None:
+    def record(node_id: str, ip: str, cpus: float, head: bool = False, alive: bool = True) -> dict[str, Any]:
+        resources = {"CPU": cpus, **({"node:__internal_head__": 1.0} if head else {})}
+        return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive, "Resources": resources}
+
+    nodes = [record("w", "10.0.0.1", 8), record("h", "10.0.0.5", 2, head=True),
+             record("d", "10.0.0.0", 64, alive=False)]
+    assert node_order(nodes) == ["h", "w"]  # head first, the dead node left out
+    node = cpu_slot_node(nodes, 4)
+    assert (node.node_id, node.n_gpus, node.is_head) == ("h", 4, True)
+    assert cpu_slot_node([record("h", "10.0.0.5", 0, head=True), record("w", "10.0.0.1", 1)], 4).node_id == "w"
+    with pytest.raises(ValueError, match="no GPUs and no node with 0.04 CPUs for 4 virtual GPUs"):
+        cpu_slot_node([record("h", "10.0.0.5", 0, head=True)], 4)
+    spec = ClusterSpec(nodes=1, gpus_per_node=4, hardware=hardware_preset("cpu"))
+    slots = RayClusterInfo(spec, (node,), virtual=True, cpu_slots=True)
+    assert (slots.gpus_per_worker, slots.cpus_per_worker, slots.backend) == (0.0, VIRTUAL_SLOT_CPU, "gloo")
+    virtual = RayClusterInfo(spec, (node,), virtual=True)
+    assert (virtual.gpus_per_worker, virtual.cpus_per_worker) == (1.0, 0.0)
+    assert RayClusterInfo(spec, (node,), virtual=False).cpus_per_worker == 1.0
 
 
 @pytest.mark.unit
 def test_ray_init_arguments_and_gpu_presets() -> None:
     local = ray_init_kwargs(RayStartOptions(virtual_gpus=4, num_cpus=2, include_dashboard=False), None)
     worker_path = local.pop("runtime_env")["env_vars"]["PYTHONPATH"].split(os.pathsep)
-    assert local == {"include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2, "num_gpus": 4}
+    assert local == {"address": "local", "include_dashboard": False, "dashboard_host": "127.0.0.1", "num_cpus": 2,
+                     "num_gpus": 4}
     assert worker_path[0] == str(PACKAGES_ROOT)
     assert ray_init_kwargs(RayStartOptions(), "ray://head:10001") == {"address": "ray://head:10001"}
-    with pytest.raises(ValueError, match="virtual_gpus=4 starts a local Ray.*RAY_ADDRESS"):
-        ray_init_kwargs(RayStartOptions(virtual_gpus=4), "auto")
+    # Virtual GPUs with an address join that cluster and use its GPU resources.
+    assert ray_init_kwargs(RayStartOptions(virtual_gpus=4), "127.0.0.1:6379") == {"address": "127.0.0.1:6379"}
     with pytest.raises(ValueError, match="cluster.virtual_gpus=True"):
         RayStartOptions(virtual_gpus=True)
     assert preset_for_gpu_name("NVIDIA H200") == "h200-141g"

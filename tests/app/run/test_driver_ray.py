@@ -296,6 +296,7 @@ def test_config_larger_than_the_ray_cluster_fails_before_workers(ray_session: No
 
     cfg = tiny_config(tmp_path, "cluster.gpus_per_node=8")  # the shared Ray has 4 GPUs
     actors_before = len(ray.util.list_named_actors(all_namespaces=True))
-    with pytest.raises(ConfigError, match=r"cluster='1x8'.*larger than the Ray cluster.*1x4"):
+    with pytest.raises(ConfigError, match=r"cluster='1x8': larger than the Ray cluster: .*no node holds 8 GPUs "
+                                          r"\(the most on one node: 4\)"):
         Driver(cfg, tmp_path)
     assert len(ray.util.list_named_actors(all_namespaces=True)) == actors_before
