@@ -249,20 +249,19 @@ class Driver:
             metas = self._wait(PendingIteration(pending.iteration, [outputs[reward.name]], 0, None))
             if kept.add_round(rewards_in_row_order(metas[outputs[reward.name]], reward.batch.n_seqs)):
                 break
-        select = self._submit_select(pending.iteration, shards, kept, reward.batch.n_seqs)
-        pending.ops.append(select)
-        pending.outputs[gen.name] = pending.outputs[reward.name] = select
-        pending.extra_metrics.update(kept.metrics())
-
-    def _submit_select(self, i: int, shards: list[tuple[int, SubmittedOp]], kept: GroupFilter,
-                       round_rows: int) -> SubmittedOp:
-        """The select_rows call (actors.worker.select) on the first GPU of the actor's train mesh."""
+        # The select_rows call (actors.worker.select) on the first GPU of the actor's train mesh.
         assert self.workers is not None
         rank = self.plan[self._last_train().name].mesh.start
         refs = [(r, ref) for r, sub in shards for ref in sub.data_refs.values()]
-        spec = select_call(i, rank, self.problem.cluster.gpus_per_node, [r for r, _ in refs], round_rows, kept)
-        meta, data = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *(ref for _, ref in refs))
-        return SubmittedOp(i, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement, spec.n_rows)
+        spec = select_call(pending.iteration, rank, self.problem.cluster.gpus_per_node, [r for r, _ in refs],
+                           reward.batch.n_seqs, kept)
+        run_call = self.workers.actor(rank).run_call.options(**call_options(spec))
+        meta, data = run_call.remote(spec, *(ref for _, ref in refs))
+        select = SubmittedOp(pending.iteration, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement,
+                             spec.n_rows)
+        pending.ops.append(select)
+        pending.outputs[gen.name] = pending.outputs[reward.name] = select
+        pending.extra_metrics.update(kept.metrics())
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
                      outputs: dict[str, SubmittedOp]) -> SubmittedOp:
