@@ -191,7 +191,8 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
         for key in _TRANSIENT_KEYS:
             if key in parts:
                 parts[key] *= problem.memory_scale
-        time_s = sum(v for k, v in parts.items() if k.endswith("_s"))
+        # A call that runs several times per iteration (DAPO's extra generation rounds) costs that much more.
+        time_s = sum(v for k, v in parts.items() if k.endswith("_s")) * mfc.expected_runs
         mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         reason = "" if mem <= problem.mem_limit_bytes else _too_big(problem, mem, problem.mem_limit_bytes)
         levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution))

@@ -9,10 +9,12 @@ with those durations, with no object creation beyond a few floats and lists. Cal
 (call, mesh size, layout), since the cost model does not depend on where a mesh starts, and
 reallocation times by (role, source, destination) up to a shift by whole nodes.
 
-Schedule (see `planning.simulate` for the contract): iterations are dispatched one after the
-other, calls in graph order; every GPU runs what it is given in dispatch order. A call starts
-when its data parents (same iteration) and version parents (previous iteration) have finished
-and every GPU of its mesh is free. A trained role's non-train call whose placement differs from
+Schedule (see `planning.simulate` for the contract): calls are dispatched in
+`Graph.dispatch_order` (iteration after iteration in graph order when on-policy; with bounded
+staleness k, the generation of iteration j + k + 1 right after the training of iteration j);
+every GPU runs what it is given in dispatch order. A call starts when its data parents (same
+iteration) and version parents (`Graph.version_lag` iterations back) have finished and every GPU
+of its mesh is free. A trained role's non-train call whose placement differs from
 the train call's is preceded by a reallocation task on the union of both meshes.
 """
 
@@ -118,6 +120,11 @@ class PlanSpace:
         index = {name: i for i, name in enumerate(self.names)}
         self.data_parents = [[index[p] for p in graph.data_parents(n)] for n in self.names]
         self.version_parents = [[index[p] for p in graph.version_parents(n)] for n in self.names]
+        self.version_lag = [graph.version_lag(n) for n in self.names]
+        # With staleness k the generation of k iterations beyond the last measured one is already
+        # running in steady state: simulate k more iterations so the window holds it.
+        self.simulated_iterations = iterations + graph.max_staleness
+        self.order = [(it, index[name]) for it, name in graph.dispatch_order(self.simulated_iterations)]
         trained = set(graph.trained_roles)
         homes = {m.role: index[m.name] for m in reversed(graph.mfcs) if m.kind == "train"}
         self.roles = [m.role for m in graph.mfcs]
@@ -291,58 +298,57 @@ class PlanSpace:
                 f"GPU of {self.mem_limit / 2**30:.2f} GiB usable ({hw.name}: {hw.mem_bytes / 2**30:.1f} GiB{margin})")
 
     def schedule(self, state: list[int], seconds: list[float], record: list[TaskRecord] | None = None) -> tuple[float, str]:
-        """List-schedule `iterations` iterations with the given call durations; steady state =
-        (end of the last iteration - end of the first) / (iterations - 1), or the first
-        iteration's time when there is one."""
+        """List-schedule the iterations with the given call durations, in dispatch order; steady
+        state = (end of iteration `iterations` - 1 - end of the first) / (iterations - 1), or the
+        first iteration's time when there is one. (With staleness k, k more iterations are
+        scheduled: the window between those two ends then holds as many rollout stages as
+        train stages.)"""
         n = len(state)
         task_masks: list[int] = []
         task_ends: list[float] = []
-        prev_ends: list[float] = [0.0] * n
-        iter_ends: list[float] = []
+        ends = [[0.0] * n for _ in range(self.simulated_iterations)]
         mask, home = self.mask, self.home
-        for it in range(self.iterations):
-            ends = [0.0] * n
-            for c in range(n):
-                k = state[c]
-                version_ready = 0.0
-                if it:
-                    for v in self.version_parents[c]:
-                        if prev_ends[v] > version_ready:
-                            version_ready = prev_ends[v]
-                ready = version_ready
-                for p in self.data_parents[c]:
-                    if ends[p] > ready:
-                        ready = ends[p]
-                m = mask[c][k]
-                h = home[c]
-                if h >= 0:
-                    moving = self.realloc_s(c, k, state[h])
-                    if isinstance(moving, str):
-                        return math.inf, f"reallocation for {self.names[c]}: {moving}"
-                    if moving > 0.0:
-                        rm = m | mask[h][state[h]]
-                        start = version_ready
-                        for tm, te in zip(task_masks, task_ends):
-                            if te > start and tm & rm:
-                                start = te
-                        task_masks.append(rm)
-                        task_ends.append(start + moving)
-                        if record is not None:
-                            record.append((f"realloc:{self.names[h]}->{self.names[c]}", "realloc", it, rm, start, start + moving))
-                        if start + moving > ready:
-                            ready = start + moving
-                start = ready
-                for tm, te in zip(task_masks, task_ends):
-                    if te > start and tm & m:
-                        start = te
-                end = start + seconds[c]
-                task_masks.append(m)
-                task_ends.append(end)
-                ends[c] = end
-                if record is not None:
-                    record.append((self.names[c], "call", it, m, start, end))
-            iter_ends.append(max(ends))
-            prev_ends = ends
+        for it, c in self.order:
+            k = state[c]
+            version_ready = 0.0
+            source = it - self.version_lag[c]  # the iteration whose training made the weights c reads
+            if source >= 0:
+                for v in self.version_parents[c]:
+                    if ends[source][v] > version_ready:
+                        version_ready = ends[source][v]
+            ready = version_ready
+            for p in self.data_parents[c]:
+                if ends[it][p] > ready:
+                    ready = ends[it][p]
+            m = mask[c][k]
+            h = home[c]
+            if h >= 0:
+                moving = self.realloc_s(c, k, state[h])
+                if isinstance(moving, str):
+                    return math.inf, f"reallocation for {self.names[c]}: {moving}"
+                if moving > 0.0:
+                    rm = m | mask[h][state[h]]
+                    start = version_ready
+                    for tm, te in zip(task_masks, task_ends):
+                        if te > start and tm & rm:
+                            start = te
+                    task_masks.append(rm)
+                    task_ends.append(start + moving)
+                    if record is not None:
+                        record.append((f"realloc:{self.names[h]}->{self.names[c]}", "realloc", it, rm, start, start + moving))
+                    if start + moving > ready:
+                        ready = start + moving
+            start = ready
+            for tm, te in zip(task_masks, task_ends):
+                if te > start and tm & m:
+                    start = te
+            end = start + seconds[c]
+            task_masks.append(m)
+            task_ends.append(end)
+            ends[it][c] = end
+            if record is not None:
+                record.append((self.names[c], "call", it, m, start, end))
+        iter_ends = [max(row) for row in ends]
         if self.iterations == 1:
             return iter_ends[0], ""
-        return (iter_ends[-1] - iter_ends[0]) / (self.iterations - 1), ""
+        return (iter_ends[self.iterations - 1] - iter_ends[0]) / (self.iterations - 1), ""

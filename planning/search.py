@@ -43,7 +43,7 @@ from planning.cost import PlanningProblem
 from planning.layout import Layout
 from planning.plan import ExecutionPlan, Placement
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache
-from planning.simulate import complete_plan, plan_space_for
+from planning.simulate import complete_plan, plan_space_for, with_default_placements
 
 MODES = ("search", "exhaustive", "heuristic", "manual")
 EXHAUSTIVE_LIMIT = 2_000_000
@@ -124,6 +124,7 @@ def search_plan(
                             ((time.perf_counter() - begin, baseline_s),))
     if mode == "manual":
         assert manual is not None
+        manual = with_default_placements(problem.graph, manual)
         space = plan_space_for(problem, manual, iterations)
         seconds_per_iter, reason = space.evaluate([0] * len(space.names))
         if reason:

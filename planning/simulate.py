@@ -2,17 +2,21 @@
 
 Model (the same one the search optimises, through `planning.plan_space.PlanSpace`):
 
-* Iterations are dispatched one after another, calls in graph order, as the driver does; each
-  GPU executes what it is given in that order. Calls on disjoint meshes therefore run
-  concurrently and calls on overlapping meshes serialise.
+* Calls are dispatched in `Graph.dispatch_order`, as the driver submits them (on-policy:
+  iteration after iteration in graph order; with max_staleness k, the generation of iteration
+  i + k + 1 right after the training of iteration i); each GPU executes what it is given in that
+  order. Calls on disjoint meshes therefore run concurrently and calls on overlapping meshes
+  serialise.
 * A call waits for its data parents of the same iteration (`Graph.data_parents`) and its
-  version parents of the previous iteration (`Graph.version_parents`: the role's train call).
+  version parents (`Graph.version_parents`: the role's train call) `Graph.version_lag`
+  iterations back: 1, or k + 1 for generation.
 * For a trained role, the train call's placement is where the weights (and optimizer) live.
   Another call of that role on a different placement is preceded by a reallocation task
   train -> call on the union of both meshes, which may start as soon as the new weights exist.
   Never-trained roles (ref, reward) keep their weights where their calls run: no reallocation.
 * Steady-state iteration time = (end of the last iteration - end of the first) / (n - 1): the
-  first iteration carries the pipeline fill, later ones show cross-iteration overlap.
+  first iteration carries the pipeline fill, later ones show cross-iteration overlap. With
+  staleness k, k more iterations are scheduled so that generation running ahead is in the window.
 * Memory per GPU = resident bytes (each trained role's weights + optimizer shard on its train
   mesh; each never-trained role's weights on every placement it runs on) + the largest
   transient of the calls on that GPU (activations, gradients, KV cache, and the weights of a
@@ -34,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planning.cost import PlanningProblem
+from planning.dataflow import Graph
 from planning.plan import CallExecution, ExecutionPlan
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache, TaskRecord
 
@@ -64,12 +69,30 @@ class SimResult:
     call_mem_bytes: dict[str, float] = field(default_factory=dict)  # peak per GPU while a call runs
 
 
+def with_default_placements(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` with a placement for every call of `graph`, in graph order: a call it leaves out
+    takes the placement of `graph.placement_default` (PPO's actor_inf: the actor's train call).
+    Calls without a default stay missing (plan_space_for names them)."""
+    given = plan.as_dict()
+    out = {}
+    for m in graph.mfcs:
+        default = graph.placement_default(m.name)
+        if m.name in given:
+            out[m.name] = given[m.name]
+        elif default is not None and default in given:
+            out[m.name] = given[default]
+    out.update({name: p for name, p in given.items() if name not in out})
+    return ExecutionPlan.from_dict(out, dict(plan.executions))
+
+
 def plan_space_for(
     problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3,
     costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
 ) -> PlanSpace:
-    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem), its
-    executions pinned where the plan names them."""
+    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem; calls
+    it leaves out take their `Graph.placement_default`), its executions pinned where the plan
+    names them."""
+    plan = with_default_placements(problem.graph, plan)
     placements = plan.as_dict()
     names = [m.name for m in problem.graph.mfcs]
     missing = [n for n in names if n not in placements]
@@ -110,6 +133,7 @@ def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3)
 def complete_plan(problem: PlanningProblem, plan: ExecutionPlan) -> ExecutionPlan:
     """`plan` with an execution for every call: the ones it names, and for the others the level
     the simulator picks (the fastest that fits beside the resident weights)."""
+    plan = with_default_placements(problem.graph, plan)
     space = plan_space_for(problem, plan, iterations=1)
     chosen = space.executions([0] * len(space.names))
     given = dict(plan.executions)

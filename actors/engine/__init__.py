@@ -18,13 +18,13 @@ realloc or worker. In dependency order:
 
 from __future__ import annotations
 
-from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world
-from actors.engine.packing import PackedBatch, pack_sequences
 from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
-from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
-from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, adamw_config_from
-from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
 from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
+from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
+from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, adamw_config_from
+from actors.engine.packing import PackedBatch, pack_sequences
+from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
+from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world
 
 __all__ = [
     # process_groups.py

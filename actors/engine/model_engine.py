@@ -181,8 +181,10 @@ class ModelEngine:
     # ---- training ----------------------------------------------------------------------------------
     def backward_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
                       with_entropy: bool = False, shift_values: bool = True,
-                      micro_batch_tokens: int | None = None) -> tuple[dict[str, float], float]:
+                      micro_batch_tokens: int | None = None,
+                      grad_of: Callable[[str], Tensor | None] | None = None) -> tuple[dict[str, float], float]:
         """Forward + backward over this rank's share, leaving un-normalised gradient sums in .grad
+        or, inside the optimizer's fp32_accumulation, in its fp32 main_grad (grad_of finds them)
         (tp/tied-embedding fix-ups applied, dp not yet reduced). Returns (metrics, global count).
 
         loss_fn gets (logprobs or values [T_mb], data) where data holds the micro-batch's
@@ -202,7 +204,7 @@ class ModelEngine:
 
         micro = self._micro_batches(self.dp_share(batch), n_micro, micro_batch_tokens)
         train_1f1b(self.model, micro, self.groups, micro_loss, self.spec.hidden_size, self.dtype)
-        sync_model_parallel_grads(self.model, self.groups)
+        sync_model_parallel_grads(self.model, self.groups, grad_of)
         return self._reduce_metrics(sums)
 
     def _reduce_metrics(self, sums: list[LossSums]) -> tuple[dict[str, float], float]:
@@ -229,11 +231,14 @@ class ModelEngine:
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
                    with_entropy: bool = False, shift_values: bool = True,
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
-        """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr."""
-        self.optimizer.zero_grad()
-        metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values,
-                                            micro_batch_tokens)
-        metrics.update(self.optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0))
+        """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr. Gradients of
+        bf16/fp16 parameters are summed over micro-batches in fp32 (the optimizer's main_grad)."""
+        optimizer = self.optimizer
+        optimizer.zero_grad()
+        with optimizer.fp32_accumulation():
+            metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values,
+                                                micro_batch_tokens, optimizer.grad_of)
+        metrics.update(optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0))
         return metrics
 
     # ---- inference ---------------------------------------------------------------------------------

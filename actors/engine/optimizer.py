@@ -16,11 +16,20 @@ master copy of those elements and AdamW's m and v. One step:
 
 Gradients are SUMMED over dp, never averaged: the engine normalises the loss globally.
 The learning rate follows linear warmup then cosine decay (`lr_at`).
+
+Accumulation over micro-batches (`fp32_accumulation`): each micro-batch back-propagates an
+un-normalised sum, so a bf16 `.grad` that accumulated them would be rounded to bf16 after every
+addition (relative error growing with the micro-batch count). Inside the context, a hook moves
+each low-precision parameter's `.grad` after every backward into an fp32 buffer [N_pad] laid out
+like the flat gradient of step 1 (Megatron's main_grad) and frees it; step 1 then reads that
+buffer. fp32 parameters (CPU runs) accumulate in their own `.grad` as before.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +155,7 @@ class ShardedAdamW:
         self.norm_mask = self._gather_slice(self._per_element(counted), device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        self.main_grad: Tensor | None = None  # fp32 [N_pad] while gradients accumulate (fp32_accumulation)
 
     def _per_element(self, per_param: list[float]) -> list[Tensor]:
         """One flag per parameter -> a flat tensor per parameter filled with it."""
@@ -170,14 +180,45 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        self.main_grad = None
 
-    def _reduce_scattered_grad(self) -> Tensor:
-        """fp32 [S]: this rank's slice of the gradient summed over dp."""
+    @contextmanager
+    def fp32_accumulation(self) -> Iterator[None]:
+        """Accumulate the gradients of parameters below fp32 in `main_grad` (module docstring)."""
+        low = [(p, offset) for p, offset in zip(self.params, self.offsets) if p.dtype != torch.float32]
+        if not low:
+            yield
+            return
+        if self.main_grad is None:
+            dp = group_size(self.dp_group)
+            self.main_grad = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
+        main = self.main_grad
+        handles = [p.register_post_accumulate_grad_hook(_mover(main[offset:offset + p.numel()].view(p.shape)))
+                   for p, offset in low]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def grad_of(self, name: str) -> Tensor | None:
+        """The gradient accumulated so far for parameter `name`: its fp32 main_grad view inside
+        fp32_accumulation, else its .grad (None when it has none)."""
+        index = self.names.index(name)
+        p, offset = self.params[index], self.offsets[index]
+        if self.main_grad is not None and p.dtype != torch.float32:
+            return self.main_grad[offset:offset + p.numel()].view(p.shape)
+        return p.grad
+
+    def reduced_grad(self) -> Tensor:
+        """fp32 [S]: this rank's slice of the gradient summed over dp (before grad_scale)."""
         dp = group_size(self.dp_group)
         flat = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
+        if self.main_grad is not None:
+            flat.copy_(self.main_grad)
         for p, offset in zip(self.params, self.offsets):
             if p.grad is not None:
-                flat[offset:offset + p.numel()] = p.grad.flatten()
+                flat[offset:offset + p.numel()] += p.grad.flatten()
         if dp == 1:
             return flat
         out = torch.empty(self.slice_size, dtype=torch.float32, device=flat.device)
@@ -209,7 +250,7 @@ class ShardedAdamW:
 
         A non-finite gradient norm skips the update on every rank (they all see the same norm).
         """
-        grad = self._reduce_scattered_grad().mul_(grad_scale)
+        grad = self.reduced_grad().mul_(grad_scale)
         norm = self.global_grad_norm(grad)
         lr = lr_at(self.config, self.steps_done)
         if not math.isfinite(norm):
@@ -259,6 +300,18 @@ class ShardedAdamW:
         bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.config.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+
+
+def _mover(target: Tensor) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook adding a parameter's .grad into `target` (fp32, same shape)
+    and freeing it, so the next backward starts a fresh low-precision gradient."""
+
+    def hook(param: Tensor) -> None:
+        if param.grad is not None:
+            target.add_(param.grad)
+            param.grad = None
+
+    return hook
 
 
 __all__ = ["OPTIMIZER_STATE_KEYS", "AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

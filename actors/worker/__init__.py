@@ -7,7 +7,11 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   memory       the peak GPU memory of each call (a probe reset before it, read after it)
   execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
-  train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  behaviour    the behaviour policy's logprobs of a train call (actor_inf's, recomputed or reused) and
+               the truncated importance weights against the rollout's
+  train        the training ops: PPO actor and critic, ReMax and DPO actors
+  outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
+  select       the select_rows op: chosen rows of several calls' shards as one batch (dynamic sampling)
   rehome       a trained model's home moved to another placement, weights and optimizer state
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
@@ -16,11 +20,12 @@ May import every other package of actors/ (the top layer), never ray, cluster or
 
 from __future__ import annotations
 
-from actors.worker.models import placement_group_sets
-from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
-from actors.worker.execution import plan_micro_batching
 from actors.worker.calls import CallSpec
+from actors.worker.execution import plan_micro_batching
+from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
 from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
+from actors.worker.models import placement_group_sets
+from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
     ProfileSettings,
@@ -28,7 +33,6 @@ from actors.worker.profiler import (
     measure_engine,
     measure_hardware,
 )
-from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 
 __all__ = [
     # models.py

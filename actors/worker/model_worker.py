@@ -72,8 +72,10 @@ from actors.worker.models import (
     shards_of,
     unbind_shards,
 )
+from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
 from actors.worker.rehome import move_trained_home
-from actors.worker.train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
+from actors.worker.select import run_select_rows
+from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
 from planning.realloc_plan import ReallocPlan, plan_reallocation
@@ -88,10 +90,12 @@ CALL_OPS = {
     "ppo_actor": run_ppo_actor,
     "ppo_critic": run_ppo_critic,
     "grpo_actor": run_grpo_actor,
+    "outcome_actor": run_outcome_actor,
+    "select_rows": run_select_rows,
     "remax_actor": run_remax_actor,
     "dpo_actor": run_dpo_actor,
 }
-MODEL_FREE_OPS = ("rule_reward",)
+MODEL_FREE_OPS = ("rule_reward", "select_rows")
 # Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
 # overlapping the worker's next GPU call; they join no collective and are pure functions of
 # their inputs, so neither the collective order nor any number changes.

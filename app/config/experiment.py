@@ -18,11 +18,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.config.checks import check_training_fields
 from app.config.sections import (
     CheckpointConfig,
+    DAPOConfig,
     DataConfig,
     DPOConfig,
     GRPOConfig,
+    GSPOConfig,
     PPOConfig,
     RewardConfig,
     SamplingConfig,
@@ -161,6 +164,8 @@ class RunConfig(_Section):
 
     call_timeout_s: the driver gives up on a call (naming it and its workers) after this long;
     collective_timeout_s: torch.distributed timeout, so a stalled collective raises in the worker.
+    max_staleness: k; generation of iteration i + k + 1 starts from the weights after training
+    iteration i (0: on-policy), so generation may run beside training (app.run.staleness).
     """
 
     name: str = "realray"
@@ -169,12 +174,14 @@ class RunConfig(_Section):
     seed: int = 0
     call_timeout_s: float = Field(600.0, gt=0)
     collective_timeout_s: float = Field(300.0, gt=0)
+    max_staleness: int = Field(0, ge=0)
 
 
 class ExperimentConfig(_Section):
     """A whole experiment: the planning sections, then the ones only training reads (app.config.sections)."""
 
-    algorithm: Literal["ppo", "grpo", "dpo", "remax"] = "ppo"
+    algorithm: Literal["ppo", "grpo", "dpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo",
+                       "gspo"] = "ppo"
     models: ModelsConfig
     batch: BatchConfig = BatchConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -185,6 +192,8 @@ class ExperimentConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    dapo: DAPOConfig = DAPOConfig()
+    gspo: GSPOConfig = GSPOConfig()
     dpo: DPOConfig = DPOConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -297,11 +306,4 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError("plan.manual", cfg.plan.manual, "placements for every call when plan.mode is 'manual'")
     if cfg.plan.profile is not None and not Path(cfg.plan.profile).is_file():
         raise ConfigError("plan.profile", cfg.plan.profile, "an existing profile JSON file (python -m app profile)")
-    if cfg.algorithm == "grpo" and "kl_coef" in cfg.ppo.model_fields_set and cfg.ppo.kl_coef != 0:
-        # GRPO puts no KL penalty into the rewards: a non-zero ppo.kl_coef would be ignored silently.
-        raise ConfigError("ppo.kl_coef", cfg.ppo.kl_coef, "unset or 0 for GRPO, whose KL is a loss term: set "
-                          "grpo.kl_loss_coef (default 0.001) instead")
-    seqs = cfg.batch.prompts * (cfg.batch.group_size if cfg.algorithm == "grpo" else 1)
-    if cfg.algorithm in ("ppo", "grpo") and seqs % cfg.batch.ppo_minibatches:
-        raise ConfigError("batch.ppo_minibatches", cfg.batch.ppo_minibatches,
-                          f"a divisor of the {seqs} sequences per iteration")
+    check_training_fields(cfg)  # the algorithm sections: app.config.checks

@@ -9,10 +9,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
-from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, prune_graph, remax_graph
+from planning.dataflow import (
+    OUTCOME_ALGORITHMS,
+    BatchShape,
+    Graph,
+    dpo_graph,
+    outcome_graph,
+    ppo_graph,
+    prune_graph,
+    remax_graph,
+    with_staleness,
+)
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
@@ -30,9 +41,9 @@ def algorithm_graph(cfg: ExperimentConfig) -> Graph:
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
     if cfg.algorithm == "ppo":
-        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs)
-    if cfg.algorithm == "grpo":
-        return grpo_graph(shape, b.group_size, b.ppo_minibatches)
+        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
+    if cfg.algorithm in OUTCOME_ALGORITHMS:
+        return outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, generation_rounds(cfg))
     if cfg.algorithm == "dpo":
         return dpo_graph(shape)
     return remax_graph(shape)
@@ -40,22 +51,19 @@ def algorithm_graph(cfg: ExperimentConfig) -> Graph:
 
 def build_graph(cfg: ExperimentConfig) -> Graph:
     """The graph that runs: `algorithm_graph` without the calls whose outputs no loss reads under
-    this config (`unread_keys`). The planner and the driver both get this graph, so a dropped
-    call is neither planned, loaded nor run."""
-    return prune_graph(algorithm_graph(cfg), unread_keys(cfg))
+    this config (`unread_keys`), with run.max_staleness. The planner and the driver both get this
+    graph, so a dropped call is neither planned, loaded nor run."""
+    return with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
 
 
 def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
     """Data keys that no loss reads under this config: the reference logprobs when the
-    algorithm's KL term is off (GRPO: grpo.kl_loss_coef = 0, its reward carries no KL penalty;
-    ReMax: ppo.kl_coef = 0). Their only other reader, the actor/kl metric, then goes too, as
-    in TRL with beta = 0. PPO keeps its reference: actor/kl is its KL monitor and the adaptive
-    controller's input. DPO's loss always reads it."""
-    if cfg.algorithm == "grpo" and cfg.grpo.kl_loss_coef == 0:
-        return ("ref_logprobs",)
-    if cfg.algorithm == "remax" and cfg.ppo.kl_coef == 0:
-        return ("ref_logprobs",)
-    return ()
+    algorithm's KL term is off (`app.config.checks.uses_ref`: grpo, dapo, gspo with
+    grpo.kl_loss_coef = 0; remax, rloo, reinforce_pp(_baseline) with ppo.kl_coef = 0). Their only
+    other reader, the actor/kl metric, then goes too, as in TRL with beta = 0. PPO keeps its
+    reference: actor/kl is its KL monitor and the adaptive controller's input. DPO's loss always
+    reads it."""
+    return () if uses_ref(cfg) else ("ref_logprobs",)
 
 
 def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
@@ -161,15 +169,19 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
         if name not in calls and name not in pruned:
             raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
                               problem="unknown call")
-    missing = [name for name in calls if name not in cfg.plan.manual]
+    # A call with a placement default (PPO's actor_inf: where the actor trains) may be left out.
+    given = {name: cfg.plan.manual.get(name) or cfg.plan.manual.get(problem.graph.placement_default(name) or "")
+             for name in calls}
+    missing = [name for name in calls if given[name] is None]
     if missing:
         raise ConfigError("plan.manual", sorted(cfg.plan.manual),
                           f"a placement for every call; missing {', '.join(missing)}", problem="incomplete")
     placements, executions = {}, {}
     for mfc in problem.graph.mfcs:
-        given = cfg.plan.manual[mfc.name]
-        placements[mfc.name] = _manual_placement(mfc.name, given, problem.models[mfc.role].spec, problem.cluster)
-        execution = _manual_execution(mfc.name, mfc.kind, given)
+        entry = given[mfc.name]
+        assert entry is not None  # `missing` above
+        placements[mfc.name] = _manual_placement(mfc.name, entry, problem.models[mfc.role].spec, problem.cluster)
+        execution = _manual_execution(mfc.name, mfc.kind, entry)
         if execution is not None:
             executions[mfc.name] = execution
     return ExecutionPlan.from_dict(placements, executions)

@@ -67,12 +67,22 @@ class PlanReport:
     peak_mem_gib: float  # fullest GPU over the simulated iterations: resident weights + largest transient
     gpu_mem_gib: float  # usable memory of one GPU
     memory_margin: float = 0.0  # fraction of gpu_mem_gib the plan keeps free
+    max_staleness: int = 0  # run.max_staleness of the graph planned
+    on_policy_iteration_s: float | None = None  # with max_staleness > 0: the best plan's estimate at k = 0
 
     @property
     def speedup(self) -> float:
         """baseline / chosen iteration time; nan when either is not a finite positive time."""
         if _finite(self.baseline_iteration_s) and _finite(self.est_iteration_s) and self.est_iteration_s > 0:
             return self.baseline_iteration_s / self.est_iteration_s
+        return math.nan
+
+    @property
+    def staleness_speedup(self) -> float:
+        """on-policy (k = 0) / bounded-staleness estimate; nan without both."""
+        on_policy = self.on_policy_iteration_s
+        if on_policy is not None and _finite(on_policy) and _finite(self.est_iteration_s) and self.est_iteration_s > 0:
+            return on_policy / self.est_iteration_s
         return math.nan
 
 
@@ -97,10 +107,12 @@ def plan_report(
     baseline_iteration_s: float,
     search_s: float,
     evaluated_plans: int,
+    on_policy_iteration_s: float | None = None,
 ) -> PlanReport:
     """Rows of `plan` in graph order, each with call_cost's time and memory estimate at the
     execution the plan gives it (the simulator's choice where it names none); the peaks come
-    from `sim`, the simulation of `plan`."""
+    from `sim`, the simulation of `plan`. on_policy_iteration_s: with bounded staleness, the
+    estimate of the best on-policy plan beside it."""
     rows = []
     for mfc in problem.graph.mfcs:
         placement = plan[mfc.name]
@@ -126,6 +138,8 @@ def plan_report(
         peak_mem_gib=max(sim.peak_mem_bytes.values(), default=0.0) / GiB,
         gpu_mem_gib=c.hardware.mem_bytes / GiB,
         memory_margin=problem.memory_margin,
+        max_staleness=problem.graph.max_staleness,
+        on_policy_iteration_s=on_policy_iteration_s,
     )
 
 
@@ -156,6 +170,11 @@ def format_plan_table(report: PlanReport) -> str:
         + (f" ({report.memory_margin:.0%} kept free)" if report.memory_margin else ""),
         f"search time: {report.search_s:.2f} s   evaluated plans: {report.evaluated_plans}",
     ]
+    if report.max_staleness:
+        gain = "n/a" if math.isnan(report.staleness_speedup) else f"{report.staleness_speedup:.2f}x"
+        on_policy = math.nan if report.on_policy_iteration_s is None else report.on_policy_iteration_s
+        summary.insert(2, f"max_staleness {report.max_staleness}: {_seconds(report.est_iteration_s)}   "
+                          f"on-policy (max_staleness 0): {_seconds(on_policy)}   staleness speedup: {gain}")
     return "\n".join([line(header), rule, *map(line, body), rule, *summary])
 
 
@@ -183,6 +202,10 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
         "memory_margin": report.memory_margin,
         "search_s": report.search_s,
         "evaluated_plans": report.evaluated_plans,
+        "max_staleness": report.max_staleness,
+        "on_policy_iteration_s": _json_number(math.nan if report.on_policy_iteration_s is None
+                                              else report.on_policy_iteration_s),
+        "staleness_speedup": _json_number(report.staleness_speedup),
     }
 
 

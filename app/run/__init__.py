@@ -16,9 +16,9 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
 
 from __future__ import annotations
 
-from app.run.runtime import preflight
 from app.run.driver import Driver, DriverError
 from app.run.jobs import LayoutJob, column, generate_on_ray
+from app.run.runtime import preflight
 
 __all__ = [
     # runtime.py

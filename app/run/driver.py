@@ -7,6 +7,9 @@ actor in submission order, and a task waits for its ObjectRef arguments, so ever
 the same global order (no collective deadlocks), calls on disjoint meshes run concurrently, and
 iteration i+1's generation starts as soon as iteration i's training (and the reallocation after
 it) is done on its GPUs: `step` submits the next iteration before waiting on the current one.
+With run.max_staleness = k the units it submits are stages of iterations in the order of
+app.run.staleness (generation of iteration i + k + 1 right after the training of iteration i);
+DAPO's dynamic sampling runs generation and reward in rounds (app.run.dynamic_sampling).
 
 Tensors never pass through the driver: each call returns (metadata, data) as two objects; the
 driver hands the data ObjectRefs of producers' data owners to consumers as top-level arguments
@@ -62,6 +65,7 @@ from app.reporting import (
     write_gantt,
 )
 from app.run.checkpoint import checkpoint_dir, is_due, mark_complete
+from app.run.dynamic_sampling import SELECT_CALL, GroupFilter, rewards_in_row_order, select_call
 from app.run.failures import explain_node_loss
 from app.run.headroom import check_headroom
 from app.run.replan import PlanDecision, Replanner, apply_switch
@@ -78,8 +82,10 @@ from app.run.runtime import (
     wait_plan,
 )
 from app.run.schedule import CallOp, Op, ReallocOp, ReleaseOp, home_placements, iteration_ops, shards_needed
+from app.run.staleness import StageSchedule, staleness_metrics
 from cluster.health import NODE_LOSS_WAIT_S
 from cluster.placement import WorkerGroup
+from planning.plan import Placement
 from planning.simulate import simulate
 
 LOOKAHEAD = 1  # iterations submitted beyond the one being waited on
@@ -100,6 +106,8 @@ class SubmittedOp:
     ranks: tuple[int, ...]
     meta_refs: tuple[ray.ObjectRef, ...]
     data_refs: dict[int, ray.ObjectRef] = field(default_factory=dict)
+    placement: Placement | None = None  # where its data came from, when not the plan's (dyn_select)
+    n_rows: int | None = None
 
     def describe(self) -> str:
         return f"{self.kind} '{self.name}' of iteration {self.iteration}"
@@ -107,12 +115,18 @@ class SubmittedOp:
 
 @dataclass
 class PendingIteration:
-    """What the driver keeps of a submitted iteration until its metadata is collected."""
+    """What the driver keeps of a submitted iteration until its metadata is collected.
+    complete: every stage of it is submitted; outputs: its calls' data producers by call name."""
 
     iteration: int
     ops: list[SubmittedOp]
     prompt_tokens: int
     checkpoint: Path | None
+    complete: bool = True
+    outputs: dict[str, SubmittedOp] = field(default_factory=dict)
+    batch: list[Any] = field(default_factory=list)
+    prompts_ref: Any = None
+    extra_metrics: dict[str, float] = field(default_factory=dict)
     estimates: dict[str, CallEstimate] = field(default_factory=dict)  # of the plan it was submitted under
 
 
@@ -131,7 +145,8 @@ class Driver:
         self.workers: WorkerGroup | None = None
         self._started_ray = not ray.is_initialized()
         self._pending: list[PendingIteration] = []
-        self._next_iteration = 0
+        self._next_iteration = 0  # iterations whose every stage is submitted
+        self._stages: StageSchedule | None = None  # created at the first submission (run(n) may set n)
         self._previous_end: float | None = None
         self.records: list[TimelineRecord] = []
         self.tracker: Tracker | None = None
@@ -186,31 +201,87 @@ class Driver:
 
     # ---- submission ------------------------------------------------------------------------------
     def _submit_next(self) -> None:
-        """Submit every operation of the next iteration (never blocks on results)."""
+        """Submit the operations of the next unit: a whole iteration, or one stage of one under
+        bounded staleness (app.run.staleness). Never blocks, except between dynamic sampling rounds."""
         assert self.workers is not None
-        i = self._next_iteration
+        if self._stages is None:
+            self._stages = StageSchedule(self.graph, self.total_iterations)
+        unit = self._stages.next_unit()
+        i = unit.iteration
+        pending = self._open_iteration(i)
+        ops, self._location = iteration_ops(self.graph, self.plan, self.model_roles, self._location, unit.calls)
+        rounds = self.inputs.settings.dynamic_sampling_rounds
+        if rounds is not None and "rew_inf" in unit.calls:
+            cut = next(k for k, op in enumerate(ops) if isinstance(op, CallOp) and op.mfc.name == "rew_inf") + 1
+            self._submit_sampling_rounds(pending, ops[:cut], rounds)
+            ops = ops[cut:]
+        for op in ops:
+            pending.ops.append(self._submit_op(op, pending, pending.outputs, pending.prompts_ref))
+            if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == self._last_train():
+                pending.ops.extend(self._maybe_checkpoint(i))
+        if unit.completes:
+            pending.complete = True
+            pending.checkpoint = checkpoint_dir(self.run_dir, i + 1) if self._checkpoint_due(i) else None
+            self._next_iteration += 1
+
+    def _open_iteration(self, i: int) -> PendingIteration:
+        """The pending entry of iteration i, created (with its batch) at its first unit."""
+        for pending in self._pending:
+            if pending.iteration == i:
+                return pending
         batch = self._batches.next_batch()
         # DPO reads preference pairs (rows 2i chosen, 2i + 1 rejected); the others read prompts.
         prompts_ref = ray.put(preference_shard(batch) if self.graph.algorithm == "dpo" else prompt_shard(batch))
-        ops, self._location = iteration_ops(self.graph, self.plan, self.model_roles, self._location)
-        outputs: dict[str, SubmittedOp] = {}
-        submitted: list[SubmittedOp] = []
-        for op in ops:
-            if isinstance(op, CallOp):
-                params = call_params(self.inputs.settings, op.mfc, self.kl.value)
-                sub = self._submit_call(op, i, params, prompts_ref, outputs)
-                outputs[op.mfc.name] = sub
-            else:
-                sub = self._submit_weights_op(op, i)
-            submitted.append(sub)
-            if isinstance(op, CallOp) and op.mfc.kind == "train" and op.mfc == self._last_train():
-                submitted.extend(self._maybe_checkpoint(i))
-        target = checkpoint_dir(self.run_dir, i + 1) if self._checkpoint_due(i) else None
         # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
         samples = self._n_sequences() // len(batch)
         prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
-        self._pending.append(PendingIteration(i, submitted, prompt_tokens, target, self.estimates))
-        self._next_iteration += 1
+        pending = PendingIteration(i, [], prompt_tokens, None, complete=False, batch=batch, prompts_ref=prompts_ref,
+                                   estimates=self.estimates)
+        self._pending.append(pending)
+        return pending
+
+    def _submit_op(self, op: Op, pending: PendingIteration, outputs: dict[str, SubmittedOp], prompts_ref: Any,
+                   seed_offset: int = 0) -> SubmittedOp:
+        """Submit one call (recorded in `outputs`) or weights operation of iteration pending.iteration."""
+        if not isinstance(op, CallOp):
+            return self._submit_weights_op(op, pending.iteration)
+        params = call_params(self.inputs.settings, op.mfc, self.kl.value)
+        if seed_offset and "seed" in params:
+            params = {**params, "seed": int(params["seed"]) + 7919 * seed_offset}
+        sub = self._submit_call(op, pending.iteration, params, prompts_ref, outputs)
+        outputs[op.mfc.name] = sub
+        return sub
+
+    def _submit_sampling_rounds(self, pending: PendingIteration, ops: list[Op], max_rounds: int) -> None:
+        """DAPO's dynamic sampling: `ops` (generation through reward) on fresh prompts until enough
+        groups with distinct rewards; a select call then makes them the batch the rest reads."""
+        gen, reward = self.graph.mfc("actor_gen"), self.graph.mfc("rew_inf")
+        group_size = gen.batch.n_seqs // len(pending.batch)
+        kept = GroupFilter(len(pending.batch), group_size, max_rounds)
+        shards: list[tuple[int, SubmittedOp]] = []
+        prompts_ref = pending.prompts_ref
+        for r in range(max_rounds):
+            if r:
+                prompts_ref = ray.put(prompt_shard(self._batches.next_batch()))
+            outputs: dict[str, SubmittedOp] = {}
+            pending.ops += [self._submit_op(op, pending, outputs, prompts_ref, r) for op in ops]
+            shards += [(r, outputs[gen.name]), (r, outputs[reward.name])]
+            metas = self._wait(PendingIteration(pending.iteration, [outputs[reward.name]], 0, None))
+            if kept.add_round(rewards_in_row_order(metas[outputs[reward.name]], reward.batch.n_seqs)):
+                break
+        # The select_rows call (actors.worker.select) on the first GPU of the actor's train mesh.
+        assert self.workers is not None
+        rank = self.plan[self._last_train().name].mesh.start
+        refs = [(r, ref) for r, sub in shards for ref in sub.data_refs.values()]
+        spec = select_call(pending.iteration, rank, self.problem.cluster.gpus_per_node, [r for r, _ in refs],
+                           reward.batch.n_seqs, kept)
+        run_call = self.workers.actor(rank).run_call.options(**call_options(spec))
+        meta, data = run_call.remote(spec, *(ref for _, ref in refs))
+        select = SubmittedOp(pending.iteration, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement,
+                             spec.n_rows)
+        pending.ops.append(select)
+        pending.outputs[gen.name] = pending.outputs[reward.name] = select
+        pending.extra_metrics.update(kept.metrics())
 
     def _submit_call(self, op: CallOp, i: int, params: dict[str, Any], prompts_ref: ray.ObjectRef,
                      outputs: dict[str, SubmittedOp]) -> SubmittedOp:
@@ -225,10 +296,11 @@ class Driver:
             args: list[ray.ObjectRef] = [prompts_ref] if reads_dataset else []
             for parent in self.graph.data_parents(mfc.name):
                 # Rows of producer and consumer are the same sequences unless their counts differ.
-                parent_rows = self.graph.mfc(parent).batch.n_seqs
-                needed = shards_needed(placement, rank, self.plan[parent], parent_rows,
+                source = outputs[parent]
+                parent_rows = source.n_rows or self.graph.mfc(parent).batch.n_seqs
+                needed = shards_needed(placement, rank, source.placement or self.plan[parent], parent_rows,
                                        all_rows or parent_rows != n_rows)
-                args.extend(outputs[parent].data_refs[o.rank] for o in needed)
+                args.extend(source.data_refs[o.rank] for o in needed)
             meta_ref, data_ref = self.workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *args)
             metas.append(meta_ref)
             datas[rank] = data_ref
@@ -277,9 +349,19 @@ class Driver:
         """Run one iteration (submitting the next one first, for overlap); returns its metrics."""
         if self._next_iteration >= self.total_iterations and not self._pending:
             raise RuntimeError(f"Driver.step: all {self.total_iterations} iterations (run.iterations) already ran")
-        if not self._pending:
-            self._submit_next()
-        while len(self._pending) <= LOOKAHEAD and self._next_iteration < self.total_iterations and self._switch is None:
+
+        def complete() -> int:
+            return sum(p.complete for p in self._pending)
+
+        def wants_more() -> bool:
+            # The oldest pending iteration must be complete to collect; beyond it keep LOOKAHEAD
+            # complete iterations submitted (units of stages under bounded staleness), none while a
+            # plan switch waits for the pipeline to drain.
+            if not self._pending or not self._pending[0].complete:
+                return True
+            return self._switch is None and complete() <= LOOKAHEAD
+
+        while (self._stages is None or self._stages.remaining) and wants_more():
             self._submit_next()
         metrics = self._collect(self._pending.pop(0))
         if self._switch is not None and not self._pending:
@@ -326,6 +408,8 @@ class Driver:
         for line in memory_overruns(records, self.cfg.plan.memory_margin):
             warnings.warn(line, stacklevel=2)
         metrics.update(self._replan(pending.iteration, records))
+        metrics.update(pending.extra_metrics)  # dynamic sampling's (the reward of every generated response)
+        metrics.update(staleness_metrics(pending.iteration, self.graph.max_staleness))
         metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, self._n_sequences(),
                                                 self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]

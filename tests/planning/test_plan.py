@@ -101,9 +101,14 @@ def test_memory_margin_and_scale_shrink_what_fits() -> None:
 
 
 def test_actor_train_prices_the_logprob_recompute() -> None:
-    graph = ppo_graph(BatchShape(64, 128, 256), 4)
-    assert graph.mfc("actor_train").recompute_forward and not graph.mfc("critic_train").recompute_forward
-    assert not ppo_graph(BatchShape(64, 128, 256), 1).mfc("actor_train").recompute_forward  # reuses its forward
+    # PPO recomputes in its own actor_inf call; the outcome algorithms inside actor_train, and only
+    # with more than one optimizer step (with one, the training forward's logprobs serve).
+    ppo = ppo_graph(BatchShape(64, 128, 256), 4)
+    assert ppo.mfc("actor_inf").kind == "inference"
+    assert not ppo.mfc("actor_train").recompute_forward and not ppo.mfc("critic_train").recompute_forward
+    graph = grpo_graph(BatchShape(8, 128, 256), 8, 4)
+    assert graph.mfc("actor_train").recompute_forward
+    assert not grpo_graph(BatchShape(8, 128, 256), 8, 1).mfc("actor_train").recompute_forward
     problem = rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), model_preset("llama3.2-1b"))
     actor = call_cost(problem, graph.mfc("actor_train"), ONE)
     plain = call_cost(problem, replace(graph.mfc("actor_train"), recompute_forward=False), ONE,

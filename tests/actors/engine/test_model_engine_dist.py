@@ -19,7 +19,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from tests.dist_harness import run_distributed
 
 from actors.engine.model_engine import ModelEngine, SequenceBatch
 from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, lr_at
@@ -28,6 +27,7 @@ from actors.engine.process_groups import ParallelGroups, build_parallel_groups, 
 from actors.rl.losses import LossSums, value_loss
 from planning.layout import Layout
 from planning.models import ModelSpec, tp_split_dim
+from tests.dist_harness import run_distributed
 
 GQA = ModelSpec("tiny-gqa", "llama", 64, 32, 64, 4, 4, 2, 8, max_position_embeddings=64)
 TIED = ModelSpec("tiny-tied", "qwen2", 64, 32, 64, 4, 4, 2, 8, tie_embeddings=True, qkv_bias=True,

@@ -20,7 +20,7 @@ EXAMPLES = ROOT / "examples"
 TINY = EXAMPLES / "ppo-tiny.yaml"
 FAST = "plan.seconds=1"
 TOO_BIG_PER_GPU = ["models.actor.preset=llama-34b", "models.critic.preset=qwen2.5-0.5b"]
-PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_inf", "actor_train", "critic_train"]
 # Examples of real models read their shapes from the downloaded model's config.json
 # (examples/grpo-qwen2.5-0.5b-gsm8k.yaml): planned below with the preset of the same shapes.
 GSM8K = EXAMPLES / "grpo-qwen2.5-0.5b-gsm8k.yaml"
@@ -211,3 +211,14 @@ def test_report_without_a_baseline_prints_na_and_json_null() -> None:
     assert data["baseline_iteration_s"] is None and data["speedup"] is None
     assert data["est_iteration_s"] == pytest.approx(seconds)
     json.dumps(data, allow_nan=False)  # strict JSON: no inf or nan left
+
+
+def test_bounded_staleness_shows_both_estimates() -> None:
+    done = plan_cli(EXAMPLES / "ppo-async-tiny.yaml")  # max_staleness 1, generation alone on GPUs 0-1
+    assert done.returncode == 0, done.stderr
+    assert "max_staleness 1:" in done.stdout and "on-policy (max_staleness 0):" in done.stdout
+    report = json.loads(plan_cli(EXAMPLES / "ppo-async-tiny.yaml", "--json").stdout)
+    assert report["max_staleness"] == 1
+    # The same placements, generation off the critical path: faster than on-policy.
+    assert report["on_policy_iteration_s"] > report["est_iteration_s"] > 0
+    assert report["staleness_speedup"] == pytest.approx(report["on_policy_iteration_s"] / report["est_iteration_s"])

@@ -216,9 +216,11 @@ def test_manual_plan_in_graph_order() -> None:
     cfg = validate_config(tiny_raw(plan=manual_section(actor_train={"mesh": "n0:g0-1", "layout": "tp2"})))
     plan = manual_plan(cfg, build_problem(cfg))
     assert plan is not None
-    assert [name for name, _ in plan.placements] == list(TINY_CALLS)
+    # actor_inf, left out, runs where the actor trains (planning.dataflow.Graph.placement_default).
+    assert [name for name, _ in plan.placements] == [*TINY_CALLS[:4], "actor_inf", *TINY_CALLS[4:]]
     assert plan["actor_gen"].layout == Layout(2, 2, 1) and plan["actor_gen"].mesh == Mesh(0, 4, 4)
     assert plan["actor_train"].layout == Layout(1, 2, 1) and plan["actor_train"].mesh == Mesh(0, 2, 4)
+    assert plan["actor_inf"] == plan["actor_train"]
     assert manual_plan(validate_config(tiny_raw()), build_problem(validate_config(tiny_raw()))) is None
 
 
@@ -274,3 +276,31 @@ def test_unreadable_yaml_names_the_file(tmp_path: Path, text: str, problem: str)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.field == "config" and problem in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("changes, field, text", [
+    ({"run": {"max_staleness": 1}, "algorithm": "dpo"}, "run.max_staleness", "generates nothing"),
+    ({"run": {"max_staleness": 1}, "ppo": {"recompute_logprobs": False}}, "run.max_staleness", "recompute_logprobs"),
+    ({"run": {"max_staleness": 1}, "algorithm": "dapo"}, "run.max_staleness", "dynamic_sampling"),
+    ({"run": {"max_staleness": -1}}, "run.max_staleness", "greater than or equal to 0"),
+    ({"algorithm": "rloo", "batch": {"prompts": 8, "group_size": 1, "ppo_minibatches": 2}}, "batch.group_size",
+     ">= 2"),
+    ({"algorithm": "dapo", "ppo": {"kl_coef": 0.1}}, "ppo.kl_coef", "loss term"),
+    ({"algorithm": "dapo", "dapo": {"overlong_buffer": 20}}, "dapo.overlong_buffer", "gen_len=16"),
+    ({"ppo": {"rollout_is": "token", "recompute_logprobs": False}}, "ppo.rollout_is", "recompute_logprobs"),
+    ({"algorithm": "vapo"}, "algorithm", "'reinforce_pp_baseline'"),
+])
+def test_algorithm_and_staleness_checks_name_the_field(changes: dict[str, Any], field: str, text: str) -> None:
+    raw = tiny_raw()
+    for section, value in changes.items():
+        raw[section] = {**raw.get(section, {}), **value} if isinstance(value, dict) else value
+    assert text in str(expect_error(raw, field))
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"])
+def test_new_algorithms_build_their_graph_and_run_ahead(algorithm: str) -> None:
+    cfg = validate_config({**tiny_raw(), "algorithm": algorithm, "run": {"max_staleness": 2},
+                           "dapo": {"dynamic_sampling": False}})
+    graph = build_problem(cfg).graph
+    assert graph.algorithm == algorithm and graph.max_staleness == 2
+    assert graph.mfc("actor_gen").batch.n_seqs == 8 * 8  # batch.group_size 8 samples per prompt
