@@ -8,6 +8,8 @@ A package only so that tests can import a script's pieces and run its CPU `--tin
   segment_copy_bench  the multi-copy kernel against torch copies
   search_bench        the plan search (CPU): quality, speedup, convergence, evaluations/s
   plan_vs_symmetric   searched against symmetric plans (and async against on-policy), measured
+  fidelity_bench      per call, estimated against measured time and peak memory, before and after
+                      the run's self-calibration (PPO and GRPO on one GPU)
   peer_setup          the shared inputs of peer_bench: a random HF model with a byte-level BPE, prompts
   peer_reward         the rule reward both systems of peer_bench score with (decoded text)
   peer_trl            TRL's GRPOTrainer on peer_bench's work, timed step by step

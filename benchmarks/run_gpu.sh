@@ -39,5 +39,11 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 # Searched against symmetric plans, every case this host's GPUs hold (issue 18; PVS_ARGS e.g. --staleness 0,1).
 [[ $only == *pvs* ]] && LIMIT=${PVS_LIMIT:-580} run plan_vs_symmetric python3 benchmarks/plan_vs_symmetric.py \
   --out "$out" ${PVS_ARGS:-}
+# Issue 12, on ONE H200 (the first GPU): estimated vs measured time and peak memory per call for
+# PPO and GRPO over 6 shapes, before and after self-calibration, and the issue's "Why" GRPO run
+# (5 iterations). Not in the default set: alone it takes ~8 minutes, e.g. on `nvidia-h200`:
+#   run(command="ONLY=fidelity bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200")
+[[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
+  run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" .
 exit 0

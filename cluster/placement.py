@@ -24,6 +24,7 @@ them and, when a worker raises, raises `WorkerCallError` naming the worker, its 
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,21 @@ DEFAULT_WORKER_ENV_VARS: dict[str, str] = {
 }
 # The label every Ray node carries with its id: bundles select their node by it.
 NODE_ID_LABEL = "ray.io/node-id"
+
+# PyTorch's caching allocator with growable segments: calls of changing shapes (micro-batches,
+# generation rounds, reallocation buffers) then reuse freed memory instead of fragmenting it.
+# Workers get it unless the user set PYTORCH_CUDA_ALLOC_CONF (in the driver's environment or in
+# env_vars), whose value then wins. Set by Ray before the worker process starts, i.e. before
+# torch initialises CUDA there.
+ALLOCATOR_ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+DEFAULT_ALLOCATOR_CONF = "expandable_segments:True"
+
+
+def worker_env_vars(env_vars: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every worker's environment: the defaults, the allocator setting (the user's if set), then
+    `env_vars` over them."""
+    allocator = {ALLOCATOR_ENV_VAR: os.environ.get(ALLOCATOR_ENV_VAR) or DEFAULT_ALLOCATOR_CONF}
+    return {**DEFAULT_WORKER_ENV_VARS, **allocator, **(env_vars or {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +231,7 @@ def create_workers(
 
     ctor_kwargs: constructor keyword arguments shared by all workers; `rank_kwargs[r]`, when
         given (one mapping per rank), is merged over them for worker r.
-    env_vars: extra environment of every worker, over `DEFAULT_WORKER_ENV_VARS`.
+    env_vars: extra environment of every worker, over `worker_env_vars()`'s defaults.
     cpus_per_worker: the CPU share k of each bundle and actor (0 is allowed: on a CPU box with
         virtual GPUs the cores are too few to reserve one per worker).
     gpus_per_worker: the GPU share of each bundle and actor: 1, or 0 where virtual GPUs are CPU
@@ -233,7 +249,7 @@ def create_workers(
     if len(nodes) != cluster_spec.nodes:
         raise ValueError(f"{len(nodes)} Ray nodes given for a cluster of {cluster_spec.nodes} nodes")
     groups = reserve_nodes(cluster_spec, nodes, cpus_per_worker, name_prefix, ready_timeout_s, gpus_per_worker)
-    env = {**DEFAULT_WORKER_ENV_VARS, **(env_vars or {})}
+    env = worker_env_vars(env_vars)
     remote_cls = ray.remote(concurrency_groups={MONITOR_GROUP: 1, **(concurrency_groups or {})})(cls)
     actors, slots = [], []
     for node, (group, ray_node) in enumerate(zip(groups, nodes)):

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planning.cost import PlanningProblem
 from planning.dataflow import MFC
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.plan import Placement
 from planning.plan_space import CallCostCache
-from planning.cost import PlanningProblem
 
 
 @dataclass(frozen=True)

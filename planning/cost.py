@@ -23,6 +23,11 @@ levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (en
 pipeline and at most MAX_MICRO_TOKENS tokens each), or generation in 1, 2, 4 ... rounds; the
 fastest level that fits the memory left to the call is used, so a call squeezed by other
 models' resident weights still runs, only slower (`planning.plan_space` passes that budget).
+Each level carries its `CallExecution` (the micro-batch token budget, or the rounds): the plan
+records the chosen one and the workers run it; `execution=` prices exactly a given one.
+`PlanningProblem.memory_margin` keeps that fraction of every GPU free (the usable memory is
+`mem_limit_bytes`); `memory_scale` multiplies the transient bytes (activations, logits, KV
+cache) as a run's own measurements calibrate them (`planning.calibrate`).
 
 `OpEfficiency` scales the hardware peaks per op kind; a measured `HardwareSpec.with_profile`
 replaces the peaks themselves. The per-op arithmetic lives in `planning.cost_terms`.
@@ -31,7 +36,7 @@ replaces the peaks themselves. The per-op arithmetic lives in `planning.cost_ter
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planning.cost_terms import (
     CallGeometry,
@@ -47,7 +52,7 @@ from planning.dataflow import MFC, ROLES, Graph
 from planning.hardware import HardwareSpec
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
-from planning.plan import Placement
+from planning.plan import CallExecution, Placement, check_execution_kind
 
 # Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
 MAX_MICRO_TOKENS = 16384
@@ -81,6 +86,8 @@ class PlanningProblem:
     cluster: ClusterSpec
     models: dict[str, ModelRole]
     efficiency: OpEfficiency = field(default_factory=OpEfficiency)
+    memory_margin: float = 0.0  # fraction of each GPU's memory no plan may use
+    memory_scale: float = 1.0  # multiplies the transient bytes (calibrated from measured peaks)
 
     def __post_init__(self) -> None:
         for role in self.models:
@@ -89,6 +96,15 @@ class PlanningProblem:
         missing = [r for r in self.graph.roles if r not in self.models]
         if missing:
             raise ValueError(f"PlanningProblem.models: graph {self.graph.algorithm} uses roles {missing} without a model")
+        if not 0.0 <= self.memory_margin < 1.0:
+            raise ValueError(f"PlanningProblem.memory_margin={self.memory_margin}: must be in [0, 1)")
+        if not self.memory_scale > 0.0:
+            raise ValueError(f"PlanningProblem.memory_scale={self.memory_scale}: must be > 0")
+
+    @property
+    def mem_limit_bytes(self) -> float:
+        """Memory per GPU a plan may use: the GPU's, less the margin."""
+        return self.cluster.hardware.mem_bytes * (1.0 - self.memory_margin)
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class CallCost:
     feasible: bool
     breakdown: dict[str, float]
     reason: str = ""
+    execution: CallExecution | None = None  # the micro-batching / rounds this cost assumes
 
 
 def rlhf_problem(
@@ -116,36 +133,36 @@ def rlhf_problem(
     return PlanningProblem(graph, cluster, models, efficiency or OpEfficiency())
 
 
-def call_cost(problem: PlanningProblem, mfc: MFC, placement: Placement, mem_budget_bytes: float | None = None) -> CallCost:
+def call_cost(problem: PlanningProblem, mfc: MFC, placement: Placement, mem_budget_bytes: float | None = None,
+              execution: CallExecution | None = None) -> CallCost:
     """Time and memory of `mfc` on `placement` (see the module docstring for the model).
 
-    mem_budget_bytes: memory per GPU this call may use (default: all of it). Of the call's
-    levels (`call_cost_levels`) the fastest that fits is taken; when none fits, the leanest is
-    returned with feasible=False and the reason.
+    mem_budget_bytes: memory per GPU this call may use (default: `problem.mem_limit_bytes`). Of
+    the call's levels (`call_cost_levels`) the fastest that fits is taken; when none fits, the
+    leanest is returned with feasible=False and the reason. `execution` prices exactly that
+    micro-batching (or rounds) instead of choosing.
     """
-    levels = call_cost_levels(problem, mfc, placement)
-    budget = problem.cluster.hardware.mem_bytes if mem_budget_bytes is None else mem_budget_bytes
+    levels = call_cost_levels(problem, mfc, placement, execution)
+    budget = problem.mem_limit_bytes if mem_budget_bytes is None else mem_budget_bytes
     fitting = [c for c in levels if c.feasible and c.mem_bytes <= budget]
     if fitting:
         return min(fitting, key=lambda c: (c.time_s, c.mem_bytes))
     leanest = min(levels, key=lambda c: c.mem_bytes)
     if not math.isfinite(leanest.mem_bytes):
         return leanest
-    hw = problem.cluster.hardware
-    return CallCost(leanest.time_s, leanest.mem_bytes, False, leanest.breakdown,
-                    f"needs {leanest.mem_bytes / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB"
-                    + (" free" if budget < hw.mem_bytes else ""))
+    return replace(leanest, feasible=False, reason=_too_big(problem, leanest.mem_bytes, budget))
 
 
-def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement) -> list[CallCost]:
+def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
+                     execution: CallExecution | None = None) -> list[CallCost]:
     """The call at every memory level, leanest last: training and inference with 1x, 2x, 4x ...
     the base number of micro-batches; generation in 1, 2, 4 ... rounds of sequences (each round
-    holds only its own KV cache, and streams the weights again). A level is feasible when it
-    fits the whole GPU; an illegal layout gives one infeasible level with infinite cost."""
+    holds only its own KV cache, and streams the weights again). With `execution`, the one level
+    it names. A level is feasible when it fits `problem.mem_limit_bytes`; an illegal layout gives
+    one infeasible level with infinite cost."""
     if mfc.role not in problem.models:
         raise ValueError(f"call {mfc.name}: role {mfc.role!r} has no model in the problem")
     role = problem.models[mfc.role]
-    hw = problem.cluster.hardware
     layout = placement.layout
     geo = call_geometry(role.spec, role.critic, layout)
     if isinstance(geo, str):
@@ -157,18 +174,58 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement) -
             "a replica would get none"
         )]
     seqs = math.ceil(mfc.batch.n_seqs / (layout.dp * steps))  # per replica (per minibatch)
-    links = _Links(hw, problem.efficiency, placement)
+    links = _Links(problem.cluster.hardware, problem.efficiency, placement)
+    if execution is None:
+        # Each level as the execution the plan will record (a token budget rounds the count).
+        executions = list(dict.fromkeys(_execution_of(mfc, seqs, split) for split in _splits(mfc, layout, seqs)))
+    else:
+        check_execution_kind(mfc.name, mfc.kind, execution)
+        executions = [execution]
+    splits = [(split_of(mfc, seqs, e), e) for e in executions]
     levels = []
-    for split in _splits(mfc, layout, seqs):
+    for split, level_execution in splits:
         if mfc.kind == "generate":
             parts = _generate(mfc, geo, layout, links, seqs, split)
         else:
             parts = _forward_backward(mfc, geo, layout, links, seqs, split)
-        time_s = sum(v for k, v in parts.items() if k.endswith("_s"))
+        for key in _TRANSIENT_KEYS:
+            if key in parts:
+                parts[key] *= problem.memory_scale
+        # A call that runs several times per iteration (DAPO's extra generation rounds) costs that much more.
+        time_s = sum(v for k, v in parts.items() if k.endswith("_s")) * mfc.expected_runs
         mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
-        reason = "" if mem <= hw.mem_bytes else f"needs {mem / 2**30:.1f} GiB per GPU, {hw.name} has {hw.mem_bytes / 2**30:.1f} GiB"
-        levels.append(CallCost(time_s, mem, not reason, parts, reason))
+        reason = "" if mem <= problem.mem_limit_bytes else _too_big(problem, mem, problem.mem_limit_bytes)
+        levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution))
     return levels
+
+
+def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:
+    """Micro-batches (or rounds) per replica that `execution` gives a replica of `seqs`
+    sequences of `mfc` (at least 1, at most one sequence each)."""
+    if mfc.kind == "generate":
+        assert execution.gen_rounds is not None
+        return max(1, min(seqs, execution.gen_rounds))
+    assert execution.micro_batch_tokens is not None
+    return max(1, min(seqs, math.ceil(seqs * mfc.batch.seq_len / execution.micro_batch_tokens)))
+
+
+def _execution_of(mfc: MFC, seqs: int, split: int) -> CallExecution:
+    """The execution of a level: its rounds, or its micro-batches' token budget."""
+    if mfc.kind == "generate":
+        return CallExecution(gen_rounds=split)
+    return CallExecution(micro_batch_tokens=math.ceil(seqs * mfc.batch.seq_len / split))
+
+
+# Breakdown entries that grow with the work in flight (scaled by PlanningProblem.memory_scale).
+_TRANSIENT_KEYS = ("activation_bytes", "kv_cache_bytes")
+
+
+def _too_big(problem: PlanningProblem, need: float, budget: float) -> str:
+    hw = problem.cluster.hardware
+    if budget < problem.mem_limit_bytes:
+        return f"needs {need / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB free"
+    margin = f" ({problem.memory_margin:.0%} kept free)" if problem.memory_margin else ""
+    return f"needs {need / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB{margin}"
 
 
 def _splits(mfc: MFC, layout: Layout, seqs: int) -> list[int]:
@@ -267,6 +324,13 @@ def _forward_backward(
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = _activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train)
     parts["micro_batches"] = float(n_micro)  # informational: neither seconds nor bytes
+    if train and mfc.recompute_forward:
+        # One forward over the replica's whole batch (every minibatch), in micro-batches of the
+        # same token budget, before the optimizer steps.
+        all_seqs = math.ceil(mfc.batch.n_seqs / layout.dp)
+        n_all = min(all_seqs, max(1, math.ceil(all_seqs * seq_len * n_micro / tokens)))
+        forward = _pass_time(geo, layout, links, all_seqs * seq_len, n_all, seq_len / 2, 1)
+        parts["recompute_s"] = sum(forward.values())
     if train:
         grad_bytes = 2.0 * geo.stage_params
         # ZeRO-1: reduce-scatter the bf16 gradients, all-gather the updated bf16 parameters.

@@ -16,12 +16,17 @@ from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.models import ModelSpec, kv_replicated, pipeline_partition, validate_tp
 
+# Ceiling of an efficiency factor. Profiles measure fractions of their own peaks (<= 1); a run's
+# self-calibration (`planning.calibrate`) may find a machine faster than its preset says (> 1).
+MAX_EFFICIENCY = 4.0
+
 
 @dataclass(frozen=True)
 class OpEfficiency:
-    """Fractions (0, 1] of the hardware peaks each kind of op reaches. 1.0 trusts the
-    `HardwareSpec` figures as they are (presets already fold typical efficiencies in); a
-    profile that measured, say, decode at 70% of the preset's HBM rate sets decode=0.7."""
+    """Factors of the hardware peaks each kind of op reaches, in (0, MAX_EFFICIENCY]. 1.0 trusts
+    the `HardwareSpec` figures as they are (presets already fold typical efficiencies in); a
+    profile that measured, say, decode at 70% of the preset's HBM rate sets decode=0.7, and a
+    calibration from a run's own call times may go above 1 where the preset is pessimistic."""
 
     gemm: float = 1.0  # prefill / forward / backward matmuls vs peak_flops
     decode: float = 1.0  # decode weight + KV streaming vs hbm_bw
@@ -32,8 +37,8 @@ class OpEfficiency:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-                raise ValueError(f"OpEfficiency.{f.name}={value!r}: must be a number in (0, 1]")
+            if not isinstance(value, (int, float)) or not 0.0 < value <= MAX_EFFICIENCY:
+                raise ValueError(f"OpEfficiency.{f.name}={value!r}: must be a number in (0, {MAX_EFFICIENCY:g}]")
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> OpEfficiency:

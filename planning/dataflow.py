@@ -3,11 +3,19 @@
 An MFC is one call on one model role: `generate`, `inference` or `train`. Edges come from keys
 (a call consumes what another produces) and from parameter versions: a role's `train` call in
 iteration i must finish before any call on that role's weights in iteration i+1 (generation of
-i+1 waits for actor training of i). Builders exist for PPO, GRPO, DPO and ReMax.
+i+1 waits for actor training of i). Builders exist for PPO, GRPO, DPO, ReMax and the
+critic-free outcome-reward algorithms (RLOO, REINFORCE++, REINFORCE++-baseline, DAPO, GSPO); each
+builds the full graph, reference call included.
 
 `prune_graph` removes work nobody needs: given the keys a configuration leaves unread (e.g. the
 reference logprobs when no KL term is on), it drops them from the consumers' inputs, then every
 call none of whose outputs a remaining call reads; train calls are the sinks and always stay.
+
+Bounded staleness (`Graph.max_staleness` = k, `with_staleness`): generation of iteration j reads
+the actor weights after training iteration j - k - 1 (k = 0: on-policy, the previous iteration's).
+Its version lag is then k + 1 iterations while every other call's is 1, and `dispatch_order`
+submits the generation of iteration j + k + 1 right after the training calls of iteration j, so
+generation on one mesh can run while training runs on another.
 """
 
 from __future__ import annotations
@@ -54,6 +62,12 @@ class MFC:
 
     role: which model (actor, critic, ref, reward). kind: generate | inference | train.
     n_minibatches: optimizer steps per train call (PPO minibatches x epochs); 1 otherwise.
+    recompute_forward: a train call that first recomputes the behaviour policy's logprobs with one
+        forward over the whole batch under its own layout (the outcome algorithms' actor with more
+        than one optimizer step; with one, the training forward's own logprobs serve, as
+        actors.worker.behaviour.reuses_forward_logprobs says; PPO has its actor_inf call instead).
+    expected_runs: how many times the call runs per iteration on average (DAPO's dynamic
+    sampling generates more rounds until enough groups with distinct rewards remain).
     """
 
     name: str
@@ -63,6 +77,8 @@ class MFC:
     output_keys: tuple[str, ...]
     batch: BatchShape
     n_minibatches: int = 1
+    recompute_forward: bool = False
+    expected_runs: float = 1.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -71,17 +87,25 @@ class MFC:
             raise ValueError(f"MFC {self.name}: kind {self.kind!r} not generate|inference|train")
         if self.n_minibatches < 1:
             raise ValueError(f"MFC {self.name}: n_minibatches={self.n_minibatches} must be >= 1")
+        if not self.expected_runs >= 1.0:
+            raise ValueError(f"MFC {self.name}: expected_runs={self.expected_runs} must be >= 1")
 
 
 @dataclass(frozen=True)
 class Graph:
-    """A dataflow graph: calls in a valid topological order plus their dependencies."""
+    """A dataflow graph: calls in a valid topological order plus their dependencies.
+
+    max_staleness: k >= 0; generation reads the weights k + 1 iterations old (module docstring).
+    """
 
     algorithm: str
     mfcs: tuple[MFC, ...]
     dataset_keys: tuple[str, ...] = field(default=("prompts",))
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"graph {self.algorithm}: max_staleness={self.max_staleness} must be >= 0")
         names = [m.name for m in self.mfcs]
         if len(set(names)) != len(names):
             raise ValueError(f"graph {self.algorithm}: duplicate call names {names}")
@@ -134,36 +158,96 @@ class Graph:
     def children(self, name: str) -> tuple[str, ...]:
         return tuple(m.name for m in self.mfcs if name in self.data_parents(m.name))
 
+    def placement_default(self, name: str) -> str | None:
+        """The call whose placement `name` takes when a plan leaves it out: an inference call on a
+        trained role (PPO's actor_inf) runs where the role trains (no reallocation); else None."""
+        call = self.mfc(name)
+        if call.kind != "inference" or call.role not in self.trained_roles:
+            return None
+        return next(m.name for m in self.mfcs if m.role == call.role and m.kind == "train")
 
-def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1) -> Graph:
-    """PPO: actor generation; reward, ref and critic inference; actor and critic training."""
+    def is_rollout(self, name: str) -> bool:
+        """Whether `name` belongs to the rollout stage (generation), the part that may run ahead
+        on older weights; everything else is the train stage, run on the current weights."""
+        return self.mfc(name).kind == "generate"
+
+    def version_lag(self, name: str) -> int:
+        """How many iterations back the training of `version_parents(name)` lies: 1 + k for
+        generation, 1 for every other call (it reads the weights of the previous iteration)."""
+        return 1 + self.max_staleness if self.is_rollout(name) else 1
+
+    def dispatch_order(self, iterations: int) -> list[tuple[int, str]]:
+        """(iteration, call) in the order a driver submits them. k = 0: iteration after iteration,
+        calls in graph order. k > 0: the rollout stages of iterations 0..k first, then for each
+        iteration j its train stage followed by the rollout stage of iteration j + k + 1."""
+        if iterations < 1:
+            raise ValueError(f"iterations={iterations}: must be >= 1")
+        if self.max_staleness == 0:
+            return [(it, m.name) for it in range(iterations) for m in self.mfcs]
+        rollout = [m.name for m in self.mfcs if self.is_rollout(m.name)]
+        train = [m.name for m in self.mfcs if not self.is_rollout(m.name)]
+        order = [(it, name) for it in range(min(self.max_staleness + 1, iterations)) for name in rollout]
+        for it in range(iterations):
+            order += [(it, name) for name in train]
+            ahead = it + self.max_staleness + 1
+            if ahead < iterations:
+                order += [(ahead, name) for name in rollout]
+        return order
+
+
+def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1,
+              recompute_logprobs: bool = True) -> Graph:
+    """PPO: actor generation; reward, ref and critic inference; the actor's logprobs of the
+    rollout under its current weights (actor_inf -> old_logprobs: the behaviour policy of the PPO
+    ratio and of the KL penalty in the reward, which both train calls need); actor and critic
+    training. recompute_logprobs=False drops actor_inf and uses the generation's logprobs."""
     n_mb = ppo_minibatches * ppo_epochs
     seq = ("seq", "prompt_mask")
-    return Graph("ppo", (
+    old = ("old_logprobs",) if recompute_logprobs else ()
+    train_inputs = seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask") + old
+    calls = [
         MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), batch),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), batch),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         MFC("critic_inf", "critic", "inference", seq, ("values",), batch),
-        MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
-            ("actor_stats",), batch, n_mb),
-        MFC("critic_train", "critic", "train", seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask"),
-            ("critic_stats",), batch, n_mb),
+    ]
+    if recompute_logprobs:
+        calls.append(MFC("actor_inf", "actor", "inference", seq, ("old_logprobs",), batch))
+    calls += [
+        MFC("actor_train", "actor", "train", train_inputs, ("actor_stats",), batch, n_mb),
+        MFC("critic_train", "critic", "train", train_inputs, ("critic_stats",), batch, n_mb),
+    ]
+    return Graph("ppo", tuple(calls))
+
+
+OUTCOME_ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo")
+
+
+def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_minibatches: int = 1,
+                  gen_runs: float = 1.0) -> Graph:
+    """A critic-free outcome-reward algorithm (GRPO, RLOO, REINFORCE++, REINFORCE++-baseline,
+    DAPO, GSPO): `group_size` samples per prompt, a reward per sequence, the reference's logprobs
+    for a KL term (pruned when the config has none), actor training. gen_runs: expected generation
+    rounds per iteration (DAPO's dynamic sampling), charged to generation and reward."""
+    if algorithm not in OUTCOME_ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: outcome graphs are {', '.join(OUTCOME_ALGORITHMS)}")
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size}: must be >= 1")
+    grouped = BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len)
+    seq = ("seq", "prompt_mask")
+    return Graph(algorithm, (
+        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), grouped,
+            expected_runs=gen_runs),
+        MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped, expected_runs=gen_runs),
+        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
+        MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards", "ref_logprobs"), ("actor_stats",),
+            grouped, ppo_minibatches, recompute_forward=ppo_minibatches > 1),
     ))
 
 
 def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> Graph:
     """GRPO: `group_size` samples per prompt, group-normalised rewards, no critic."""
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size}: must be >= 1")
-    grouped = BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len)
-    seq = ("seq", "prompt_mask")
-    return Graph("grpo", (
-        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), grouped),
-        MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped),
-        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
-        MFC("actor_train", "actor", "train", seq + ("logprobs", "ref_logprobs", "rewards"), ("actor_stats",),
-            grouped, ppo_minibatches),
-    ))
+    return outcome_graph("grpo", batch, group_size, ppo_minibatches)
 
 
 def dpo_graph(batch: BatchShape) -> Graph:
@@ -179,15 +263,18 @@ def dpo_graph(batch: BatchShape) -> Graph:
 
 
 def remax_graph(batch: BatchShape) -> Graph:
-    """ReMax: sampled and greedy generation, a reward for each, REINFORCE with the greedy baseline."""
+    """ReMax: sampled and greedy generation, a reward for each, the reference's logprobs for the
+    KL penalty in the reward (pruned when ppo.kl_coef is 0), REINFORCE with the greedy baseline."""
+    seq = ("seq", "prompt_mask")
     return Graph("remax", (
-        MFC("sample_gen", "actor", "generate", ("prompts",), ("seq", "prompt_mask", "logprobs"), batch),
+        MFC("sample_gen", "actor", "generate", ("prompts",), seq + ("logprobs",), batch),
         MFC("greedy_gen", "actor", "generate", ("prompts",), ("greedy_seq",), batch),
-        MFC("rew_inf", "reward", "inference", ("seq", "prompt_mask"), ("rewards",), batch),
+        MFC("rew_inf", "reward", "inference", seq, ("rewards",), batch),
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
+        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         # greedy_seq too: the greedy response's no-EOS flag enters the baseline like the sampled one's.
         MFC("actor_train", "actor", "train",
-            ("seq", "prompt_mask", "logprobs", "rewards", "greedy_seq", "greedy_rewards"), ("actor_stats",), batch),
+            seq + ("logprobs", "rewards", "greedy_seq", "greedy_rewards", "ref_logprobs"), ("actor_stats",), batch),
     ))
 
 
@@ -205,5 +292,13 @@ def prune_graph(graph: Graph, unread: Iterable[str] = ()) -> Graph:
         read = {k for m in calls for k in m.input_keys}
         kept = [m for m in calls if m.kind == "train" or read & set(m.output_keys)]
         if len(kept) == len(calls):
-            return Graph(graph.algorithm, tuple(kept), graph.dataset_keys)
+            return replace(graph, mfcs=tuple(kept))
         calls = kept
+
+
+def with_staleness(graph: Graph, max_staleness: int) -> Graph:
+    """The same graph whose generation may read weights up to `max_staleness` iterations older
+    than on-policy (see the module docstring); DPO, which generates nothing, only allows 0."""
+    if max_staleness and not any(m.kind == "generate" for m in graph.mfcs):
+        raise ValueError(f"max_staleness={max_staleness}: graph {graph.algorithm} has no generation to run ahead")
+    return replace(graph, max_staleness=max_staleness)

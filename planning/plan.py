@@ -1,4 +1,12 @@
-"""An execution plan: the (mesh, layout) each model function call runs on."""
+"""An execution plan: where each model function call runs (mesh, layout) and how (micro-batching).
+
+The cost model (`planning.cost`) prices every call at several memory levels: training and
+inference split each data-parallel replica's tokens into micro-batches of at most
+`micro_batch_tokens`, generation runs a replica's sequences in `gen_rounds` rounds (one round's
+KV cache alive at a time). The search and the simulator pick a level per call; the plan carries
+that choice as a `CallExecution`, and the workers run exactly it, so the estimate and the run
+describe the same program. Everything here is frozen and hashable.
+"""
 
 from __future__ import annotations
 
@@ -25,11 +33,60 @@ class Placement:
         return self.mesh.start + rank
 
 
+@dataclass(frozen=True, slots=True)
+class CallExecution:
+    """How one call runs on its placement.
+
+    micro_batch_tokens: training and inference (logprobs, values, reward scores) cut each
+        data-parallel replica's sequences (per minibatch when training) into
+        ceil(tokens / micro_batch_tokens) micro-batches of whole sequences, balanced by tokens;
+        at most one micro-batch's logits exist at a time. None for generation.
+    gen_rounds: generation runs each replica's sequences in this many rounds, each with its own
+        KV cache (freed before the next). None for other calls.
+    """
+
+    micro_batch_tokens: int | None = None
+    gen_rounds: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_tokens", "gen_rounds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CallExecution.{name}={value!r}: must be a positive integer or None")
+        if (self.micro_batch_tokens is None) == (self.gen_rounds is None):
+            raise ValueError("CallExecution: set exactly one of micro_batch_tokens (train, inference) "
+                             "and gen_rounds (generation)")
+
+    def describe(self) -> str:
+        """Short text for tables: '<=8192 tok/mb' or '2 rounds'."""
+        if self.gen_rounds is not None:
+            return f"{self.gen_rounds} round{'s' if self.gen_rounds > 1 else ''}"
+        return f"<={self.micro_batch_tokens} tok/mb"
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields that are set, as in `plan.json` and the config's `plan.manual.<call>`."""
+        if self.gen_rounds is not None:
+            return {"gen_rounds": self.gen_rounds}
+        assert self.micro_batch_tokens is not None
+        return {"micro_batch_tokens": self.micro_batch_tokens}
+
+
+def check_execution_kind(call: str, kind: str, execution: CallExecution) -> None:
+    """ValueError unless `execution` fits a call of `kind` (rounds for generate, a token budget
+    for inference and train)."""
+    if kind == "generate" and execution.gen_rounds is None:
+        raise ValueError(f"call {call}: a generate call takes gen_rounds, not micro_batch_tokens")
+    if kind != "generate" and execution.micro_batch_tokens is None:
+        raise ValueError(f"call {call}: a {kind} call takes micro_batch_tokens, not gen_rounds")
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
-    """Placement per call name, in the graph's call order."""
+    """Placement per call name, in the graph's call order, and the execution chosen for each
+    call (empty until the search or the simulator fills it: `planning.simulate.complete_plan`)."""
 
     placements: tuple[tuple[str, Placement], ...]
+    executions: tuple[tuple[str, CallExecution], ...] = ()
 
     def __getitem__(self, name: str) -> Placement:
         for call, placement in self.placements:
@@ -37,9 +94,27 @@ class ExecutionPlan:
                 return placement
         raise KeyError(name)
 
+    def execution(self, name: str) -> CallExecution | None:
+        """How call `name` runs, or None when the plan does not say."""
+        for call, execution in self.executions:
+            if call == name:
+                return execution
+        return None
+
     def as_dict(self) -> dict[str, Placement]:
         return dict(self.placements)
 
+    def with_executions(self, executions: dict[str, CallExecution]) -> ExecutionPlan:
+        """The same placements with these executions (in call order; calls not named have none)."""
+        names = [name for name, _ in self.placements]
+        unknown = sorted(set(executions) - set(names))
+        if unknown:
+            raise ValueError(f"executions for calls {unknown}: not in the plan ({names})")
+        return ExecutionPlan(self.placements, tuple((n, executions[n]) for n in names if n in executions))
+
+    def without_executions(self) -> ExecutionPlan:
+        return ExecutionPlan(self.placements)
+
     @staticmethod
-    def from_dict(placements: dict[str, Placement]) -> ExecutionPlan:
-        return ExecutionPlan(tuple(placements.items()))
+    def from_dict(placements: dict[str, Placement], executions: dict[str, CallExecution] | None = None) -> ExecutionPlan:
+        return ExecutionPlan(tuple(placements.items())).with_executions(executions or {})

@@ -9,10 +9,12 @@ with those durations, with no object creation beyond a few floats and lists. Cal
 (call, mesh size, layout), since the cost model does not depend on where a mesh starts, and
 reallocation times by (role, source, destination) up to a shift by whole nodes.
 
-Schedule (see `planning.simulate` for the contract): iterations are dispatched one after the
-other, calls in graph order; every GPU runs what it is given in dispatch order. A call starts
-when its data parents (same iteration) and version parents (previous iteration) have finished
-and every GPU of its mesh is free. A trained role's non-train call whose placement differs from
+Schedule (see `planning.simulate` for the contract): calls are dispatched in
+`Graph.dispatch_order` (iteration after iteration in graph order when on-policy; with bounded
+staleness k, the generation of iteration j + k + 1 right after the training of iteration j);
+every GPU runs what it is given in dispatch order. A call starts when its data parents (same
+iteration) and version parents (`Graph.version_lag` iterations back) have finished and every GPU
+of its mesh is free. A trained role's non-train call whose placement differs from
 the train call's is preceded by a reallocation task on the union of both meshes.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 
 from planning.cost import CallCost, PlanningProblem, call_cost, call_cost_levels
-from planning.plan import Placement
+from planning.plan import CallExecution, Placement
 from planning.realloc_estimate import approx_realloc_s
 from planning.realloc_plan import estimate_realloc_s
 
@@ -64,8 +66,8 @@ class ReallocCache:
 
 
 class CallCostCache:
-    """`call_cost` (whole GPU free) and `call_cost_levels` per (call, mesh size, layout): the
-    position of a mesh does not change them."""
+    """`call_cost` (whole GPU free) and `call_cost_levels` per (call, mesh size, layout, pinned
+    execution): the position of a mesh does not change them."""
 
     def __init__(self, problem: PlanningProblem) -> None:
         self._problem = problem
@@ -80,11 +82,12 @@ class CallCostCache:
             self._costs[key] = found
         return found
 
-    def levels(self, call: str, placement: Placement) -> list[CallCost]:
-        key = (call, placement.mesh.size, placement.layout)
+    def levels(self, call: str, placement: Placement, execution: CallExecution | None = None) -> list[CallCost]:
+        """Every level, or only the one `execution` names."""
+        key = (call, placement.mesh.size, placement.layout, execution)
         found = self._levels.get(key)
         if found is None:
-            found = call_cost_levels(self._problem, self._problem.graph.mfc(call), placement)
+            found = call_cost_levels(self._problem, self._problem.graph.mfc(call), placement, execution)
             self._levels[key] = found
         return found
 
@@ -95,10 +98,16 @@ class PlanSpace:
     def __init__(
         self, problem: PlanningProblem, candidates: list[list[Placement]], iterations: int = 3,
         costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
+        pinned: list[CallExecution | None] | None = None,
     ) -> None:
+        """pinned: per call, an execution every candidate of that call must run (None: the
+        fastest level that fits is chosen per plan)."""
         graph = problem.graph
         if len(candidates) != len(graph.mfcs):
             raise ValueError(f"PlanSpace: {len(candidates)} candidate lists for {len(graph.mfcs)} calls")
+        self.pinned = list(pinned) if pinned is not None else [None] * len(graph.mfcs)
+        if len(self.pinned) != len(graph.mfcs):
+            raise ValueError(f"PlanSpace: {len(self.pinned)} pinned executions for {len(graph.mfcs)} calls")
         if iterations < 1:
             raise ValueError(f"iterations={iterations}: must be >= 1")
         self.problem = problem
@@ -107,10 +116,15 @@ class PlanSpace:
         self.candidates = candidates
         self.costs = costs or CallCostCache(problem)
         self.reallocs = reallocs or ReallocCache(problem)
-        self.mem_limit = problem.cluster.hardware.mem_bytes
+        self.mem_limit = problem.mem_limit_bytes
         index = {name: i for i, name in enumerate(self.names)}
         self.data_parents = [[index[p] for p in graph.data_parents(n)] for n in self.names]
         self.version_parents = [[index[p] for p in graph.version_parents(n)] for n in self.names]
+        self.version_lag = [graph.version_lag(n) for n in self.names]
+        # With staleness k the generation of k iterations beyond the last measured one is already
+        # running in steady state: simulate k more iterations so the window holds it.
+        self.simulated_iterations = iterations + graph.max_staleness
+        self.order = [(it, index[name]) for it, name in graph.dispatch_order(self.simulated_iterations)]
         trained = set(graph.trained_roles)
         homes = {m.role: index[m.name] for m in reversed(graph.mfcs) if m.kind == "train"}
         self.roles = [m.role for m in graph.mfcs]
@@ -131,31 +145,34 @@ class PlanSpace:
         self.optimizer: list[list[float]] = []  # optimizer state per GPU (train calls)
         self.level_bytes: list[list[list[float]]] = []  # transient: beyond resident weights + optimizer
         self.level_s: list[list[list[float]]] = []
+        self.level_exec: list[list[list[CallExecution | None]]] = []
         self.reason: list[list[str]] = []
-        for name, cands in zip(self.names, self.candidates):
+        for name, cands, pinned in zip(self.names, self.candidates, self.pinned):
             if not cands:
                 raise ValueError(f"PlanSpace: call {name} has no candidate placement")
             self.mask.append([((1 << p.mesh.size) - 1) << p.mesh.start for p in cands])
             self.lo.append([p.mesh.start for p in cands])
             self.hi.append([p.mesh.start + p.mesh.size for p in cands])
-            weights, optimizer, level_bytes, level_s, reasons = [], [], [], [], []
+            weights, optimizer, level_bytes, level_s, level_exec, reasons = [], [], [], [], [], []
             for p in cands:
-                levels = self.costs.levels(name, p)
+                levels = self.costs.levels(name, p, pinned)
                 resident = levels[0].breakdown.get("weights_bytes", 0.0) + levels[0].breakdown.get("optimizer_bytes", 0.0)
                 weights.append(levels[0].breakdown.get("weights_bytes", 0.0))
                 optimizer.append(levels[0].breakdown.get("optimizer_bytes", 0.0))
-                pareto: list[tuple[float, float]] = []
+                pareto: list[tuple[float, float, CallExecution | None]] = []
                 for level in sorted(levels, key=lambda c: (c.mem_bytes, c.time_s)):
                     if math.isfinite(level.time_s) and (not pareto or level.time_s < pareto[-1][1]):
-                        pareto.append((level.mem_bytes - resident, level.time_s))
+                        pareto.append((level.mem_bytes - resident, level.time_s, level.execution))
                 reasons.append("" if pareto else levels[0].reason)
-                pareto = pareto or [(math.inf, math.inf)]
-                level_bytes.append([b for b, _ in pareto])
-                level_s.append([t for _, t in pareto])
+                pareto = pareto or [(math.inf, math.inf, None)]
+                level_bytes.append([b for b, _, _ in pareto])
+                level_s.append([t for _, t, _ in pareto])
+                level_exec.append([e for _, _, e in pareto])
             self.weights.append(weights)
             self.optimizer.append(optimizer)
             self.level_bytes.append(level_bytes)
             self.level_s.append(level_s)
+            self.level_exec.append(level_exec)
             self.reason.append(reasons)
 
     def realloc_s(self, c: int, k: int, k_home: int) -> float | str:
@@ -190,11 +207,14 @@ class PlanSpace:
                     static.append((self.lo[c][k], self.hi[c][k], self.weights[c][k]))
         return static
 
-    def call_levels(self, state: list[int]) -> tuple[list[float], list[float], float]:
+    def call_levels(self, state: list[int], picks: list[int] | None = None,
+                    peaks: list[float] | None = None) -> tuple[list[float], list[float], float]:
         """(seconds per call, transient bytes per call, worst memory excess). Each call takes its
         fastest level that fits beside the resident bytes of its GPUs (plus its own reallocated
         weights when it runs away from its train placement); a call with no fitting level takes
-        its leanest and the excess says by how much the plan overflows (<= 0: it fits)."""
+        its leanest and the excess says by how much the plan overflows (<= 0: it fits).
+        picks / peaks, when given, receive each call's level index and its estimated peak bytes
+        on its fullest GPU (resident + own copy + transient)."""
         static = self.resident_terms(state)
         limit = self.mem_limit
         seconds: list[float] = []
@@ -225,7 +245,23 @@ class PlanSpace:
                     excess = sizes[0] - budget
             seconds.append(times[pick])
             transient.append(sizes[pick] + own)
+            if picks is not None:
+                picks.append(pick)
+            if peaks is not None:
+                peaks.append(resident + own + sizes[pick])
         return seconds, transient, excess
+
+    def executions(self, state: list[int]) -> list[CallExecution | None]:
+        """The execution each call of `state` runs (the level `call_levels` picks)."""
+        picks: list[int] = []
+        self.call_levels(state, picks)
+        return [self.level_exec[c][k][pick] for c, (k, pick) in enumerate(zip(state, picks))]
+
+    def call_peak_bytes(self, state: list[int]) -> list[float]:
+        """Estimated peak bytes per call on the fullest GPU of its mesh while it runs."""
+        peaks: list[float] = []
+        self.call_levels(state, peaks=peaks)
+        return peaks
 
     def memory_per_segment(self, state: list[int]) -> tuple[list[int], list[int], list[float]]:
         """Peak bytes per maximal GPU range [lo, hi) on which the set of meshes is constant."""
@@ -249,62 +285,70 @@ class PlanSpace:
                 return math.inf, f"{self.names[c]}: {self.reason[c][k]}"
         seconds, _, excess = self.call_levels(state)
         if excess > 0:
-            return math.inf, f"peak memory exceeds the GPU by {excess / 2**30:.2f} GiB"
+            return math.inf, self._memory_reason(state)
         return self.schedule(state, seconds, record)
 
+    def _memory_reason(self, state: list[int]) -> str:
+        """Which call overflows its GPU, by its estimated peak against the usable memory."""
+        peaks = self.call_peak_bytes(state)
+        c = max(range(len(peaks)), key=lambda i: peaks[i])
+        hw = self.problem.cluster.hardware
+        margin = f", {self.problem.memory_margin:.0%} kept free" if self.problem.memory_margin else ""
+        return (f"peak memory exceeds the GPU: call {self.names[c]} needs an estimated {peaks[c] / 2**30:.2f} GiB per "
+                f"GPU of {self.mem_limit / 2**30:.2f} GiB usable ({hw.name}: {hw.mem_bytes / 2**30:.1f} GiB{margin})")
+
     def schedule(self, state: list[int], seconds: list[float], record: list[TaskRecord] | None = None) -> tuple[float, str]:
-        """List-schedule `iterations` iterations with the given call durations; steady state =
-        (end of the last iteration - end of the first) / (iterations - 1), or the first
-        iteration's time when there is one."""
+        """List-schedule the iterations with the given call durations, in dispatch order; steady
+        state = (end of iteration `iterations` - 1 - end of the first) / (iterations - 1), or the
+        first iteration's time when there is one. (With staleness k, k more iterations are
+        scheduled: the window between those two ends then holds as many rollout stages as
+        train stages.)"""
         n = len(state)
         task_masks: list[int] = []
         task_ends: list[float] = []
-        prev_ends: list[float] = [0.0] * n
-        iter_ends: list[float] = []
+        ends = [[0.0] * n for _ in range(self.simulated_iterations)]
         mask, home = self.mask, self.home
-        for it in range(self.iterations):
-            ends = [0.0] * n
-            for c in range(n):
-                k = state[c]
-                version_ready = 0.0
-                if it:
-                    for v in self.version_parents[c]:
-                        if prev_ends[v] > version_ready:
-                            version_ready = prev_ends[v]
-                ready = version_ready
-                for p in self.data_parents[c]:
-                    if ends[p] > ready:
-                        ready = ends[p]
-                m = mask[c][k]
-                h = home[c]
-                if h >= 0:
-                    moving = self.realloc_s(c, k, state[h])
-                    if isinstance(moving, str):
-                        return math.inf, f"reallocation for {self.names[c]}: {moving}"
-                    if moving > 0.0:
-                        rm = m | mask[h][state[h]]
-                        start = version_ready
-                        for tm, te in zip(task_masks, task_ends):
-                            if te > start and tm & rm:
-                                start = te
-                        task_masks.append(rm)
-                        task_ends.append(start + moving)
-                        if record is not None:
-                            record.append((f"realloc:{self.names[h]}->{self.names[c]}", "realloc", it, rm, start, start + moving))
-                        if start + moving > ready:
-                            ready = start + moving
-                start = ready
-                for tm, te in zip(task_masks, task_ends):
-                    if te > start and tm & m:
-                        start = te
-                end = start + seconds[c]
-                task_masks.append(m)
-                task_ends.append(end)
-                ends[c] = end
-                if record is not None:
-                    record.append((self.names[c], "call", it, m, start, end))
-            iter_ends.append(max(ends))
-            prev_ends = ends
+        for it, c in self.order:
+            k = state[c]
+            version_ready = 0.0
+            source = it - self.version_lag[c]  # the iteration whose training made the weights c reads
+            if source >= 0:
+                for v in self.version_parents[c]:
+                    if ends[source][v] > version_ready:
+                        version_ready = ends[source][v]
+            ready = version_ready
+            for p in self.data_parents[c]:
+                if ends[it][p] > ready:
+                    ready = ends[it][p]
+            m = mask[c][k]
+            h = home[c]
+            if h >= 0:
+                moving = self.realloc_s(c, k, state[h])
+                if isinstance(moving, str):
+                    return math.inf, f"reallocation for {self.names[c]}: {moving}"
+                if moving > 0.0:
+                    rm = m | mask[h][state[h]]
+                    start = version_ready
+                    for tm, te in zip(task_masks, task_ends):
+                        if te > start and tm & rm:
+                            start = te
+                    task_masks.append(rm)
+                    task_ends.append(start + moving)
+                    if record is not None:
+                        record.append((f"realloc:{self.names[h]}->{self.names[c]}", "realloc", it, rm, start, start + moving))
+                    if start + moving > ready:
+                        ready = start + moving
+            start = ready
+            for tm, te in zip(task_masks, task_ends):
+                if te > start and tm & m:
+                    start = te
+            end = start + seconds[c]
+            task_masks.append(m)
+            task_ends.append(end)
+            ends[it][c] = end
+            if record is not None:
+                record.append((self.names[c], "call", it, m, start, end))
+        iter_ends = [max(row) for row in ends]
         if self.iterations == 1:
             return iter_ends[0], ""
-        return (iter_ends[-1] - iter_ends[0]) / (self.iterations - 1), ""
+        return (iter_ends[self.iterations - 1] - iter_ends[0]) / (self.iterations - 1), ""

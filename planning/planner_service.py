@@ -25,8 +25,9 @@ class PlannerService:
 
     def search(self, problem: PlanningProblem, mode: str = "search", seconds: float = 60.0, seed: int = 0,
                manual: ExecutionPlan | None = None, options: CandidateOptions | None = None,
-               max_steps: int | None = None) -> SearchResult:
-        """`search_plan(problem, mode, seconds, seed, manual)`: see planning/search.py for the modes."""
+               max_steps: int | None = None, start: ExecutionPlan | None = None) -> SearchResult:
+        """`search_plan(problem, mode, seconds, seed, manual, ..., start=start)`: see planning/search.py
+        for the modes (`start`: a plan to search from, e.g. the one a run executes when it re-plans)."""
         if not isinstance(problem, PlanningProblem):
             raise TypeError(f"problem: expected a planning.cost.PlanningProblem, got {type(problem).__name__}")
         if mode not in MODES:
@@ -35,12 +36,12 @@ class PlannerService:
             raise ValueError(f"seconds={seconds}: the search budget must be positive")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps={max_steps}: must be >= 1 or None")
-        start = time.perf_counter()
+        began = time.perf_counter()
         try:
-            return search_plan(problem, mode, seconds, seed, manual, options, max_steps)
+            return search_plan(problem, mode, seconds, seed, manual, options, max_steps, start=start)
         finally:
             self.searches += 1
-            self.busy_s += time.perf_counter() - start
+            self.busy_s += time.perf_counter() - began
 
     def stats(self) -> dict[str, float]:
         """Searches run so far and the seconds spent in them."""

@@ -25,7 +25,6 @@ from planning.models import ModelSpec, pipeline_partition
 from planning.plan import Placement
 from planning.realloc_plan import check_compatible
 
-
 # A pipeline stage: (first block, end block, embedding params, head + final norm params).
 Stage = tuple[int, int, float, float]
 

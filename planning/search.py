@@ -20,6 +20,11 @@
   with one shared 3D layout, the best such layout that fits.
 * manual: evaluates the given plan (ValueError naming the reason when it does not fit).
 
+Every returned plan names each call's execution (micro-batch token budget or generation
+rounds): the level the simulator picks for it, or, in a manual plan, the one given. `start`
+adds a plan (e.g. the one a run is executing, when it re-plans) as candidates and a starting
+point of the chain.
+
 Everything random goes through one `random.Random(seed)`. The budget `seconds` bounds the
 MCMC's wall time, so results with the same seed agree as long as the chain does not run out of
 time at different steps; `max_steps` makes a run exactly reproducible. The budget holds at any
@@ -40,7 +45,7 @@ from planning.cost import PlanningProblem
 from planning.layout import Layout
 from planning.plan import ExecutionPlan, Placement
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache
-from planning.simulate import plan_space_for
+from planning.simulate import complete_plan, plan_space_for, with_default_placements
 
 MODES = ("search", "exhaustive", "heuristic", "manual")
 EXHAUSTIVE_LIMIT = 2_000_000
@@ -86,26 +91,29 @@ def symmetric_baseline(problem: PlanningProblem, iterations: int = 3) -> tuple[E
     if best is None:
         raise ValueError(f"symmetric baseline: no layout of the full {cluster.n_gpus}-GPU mesh fits ({'; '.join(reasons[:3])})")
     placement = options[best[1]]
-    return ExecutionPlan(tuple((m.name, placement) for m in problem.graph.mfcs)), best[0]
+    plan = ExecutionPlan(tuple((m.name, placement) for m in problem.graph.mfcs))
+    executions = space.executions([best[1]] * len(problem.graph.mfcs))
+    return plan.with_executions({m.name: e for m, e in zip(problem.graph.mfcs, executions) if e is not None}), best[0]
 
 
 def search_plan(
     problem: PlanningProblem, mode: str = "search", seconds: float = 60.0, seed: int = 0,
     manual: ExecutionPlan | None = None, options: CandidateOptions | None = None,
     max_steps: int | None = None, iterations: int = 3, space_type: type[PlanSpace] = PlanSpace,
+    start: ExecutionPlan | None = None,
 ) -> SearchResult:
     """Find (or, in manual mode, evaluate) a plan; see the module docstring for the modes.
 
     space_type: the evaluator of the search and exhaustive modes; a subclass can relax the model
     for what-if bounds (benchmarks/search_bench.py's relaxed bound). The baseline always uses
-    PlanSpace itself."""
+    PlanSpace itself. start: a plan the search and exhaustive modes also consider and start from."""
     if mode not in MODES:
         raise ValueError(f"search mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
     if seconds <= 0:
         raise ValueError(f"seconds={seconds}: the search budget must be positive")
     if (mode == "manual") != (manual is not None):
         raise ValueError("mode='manual' needs `manual` (an ExecutionPlan), and only it takes one")
-    start = time.perf_counter()
+    begin = time.perf_counter()
     try:
         baseline_plan, baseline_s = symmetric_baseline(problem, iterations)
     except ValueError:
@@ -114,34 +122,40 @@ def search_plan(
         baseline_plan, baseline_s = None, math.inf
     if mode == "heuristic":
         assert baseline_plan is not None
-        return SearchResult(baseline_plan, baseline_s, baseline_plan, baseline_s, time.perf_counter() - start, 1,
-                            ((time.perf_counter() - start, baseline_s),))
+        return SearchResult(baseline_plan, baseline_s, baseline_plan, baseline_s, time.perf_counter() - begin, 1,
+                            ((time.perf_counter() - begin, baseline_s),))
     if mode == "manual":
         assert manual is not None
+        manual = with_default_placements(problem.graph, manual)
         space = plan_space_for(problem, manual, iterations)
         seconds_per_iter, reason = space.evaluate([0] * len(space.names))
         if reason:
             raise ValueError(f"manual plan is infeasible: {reason}")
-        return SearchResult(manual, seconds_per_iter, baseline_plan, baseline_s, time.perf_counter() - start, 1,
-                            ((time.perf_counter() - start, seconds_per_iter),))
+        return SearchResult(complete_plan(problem, manual), seconds_per_iter, baseline_plan, baseline_s,
+                            time.perf_counter() - begin, 1, ((time.perf_counter() - begin, seconds_per_iter),))
     costs = CallCostCache(problem)
-    extra = {name: [p] for name, p in baseline_plan.placements} if baseline_plan else None
+    extra: dict[str, list[Placement]] = {}
+    for given in (baseline_plan, start):
+        for name, p in (given.placements if given is not None else ()):
+            extra.setdefault(name, []).append(p)
     candidates = call_candidates(problem, costs, options, extra)
     # Rank with the closed-form reallocation estimate, then re-score the best with the exact one.
     fast = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=False))
     exact = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=True))
     elites = _Elites()
     if mode == "exhaustive":
-        evaluated, history = _exhaustive(fast, start, elites)
+        evaluated, history = _exhaustive(fast, begin, elites)
     else:
-        chain = _Chain(fast, random.Random(seed), start, seconds, max_steps, elites)
-        evaluated, history = chain.run(_initial_states(fast, baseline_plan))
-    state, best_s = _rescore(exact, elites.states(), start + seconds)
+        chain = _Chain(fast, random.Random(seed), begin, seconds, max_steps, elites)
+        evaluated, history = chain.run(_initial_states(fast, baseline_plan, start))
+    state, best_s = _rescore(exact, elites.states(), begin + seconds)
     if state is None:
         raise ValueError(f"search found no feasible plan among {evaluated} evaluated (memory or reallocation limits)")
-    history.append((time.perf_counter() - start, best_s))
+    history.append((time.perf_counter() - begin, best_s))
     plan = ExecutionPlan(tuple((name, candidates[c][k]) for c, (name, k) in enumerate(zip(exact.names, state))))
-    return SearchResult(plan, best_s, baseline_plan, baseline_s, time.perf_counter() - start, evaluated, tuple(history))
+    executions = {name: e for name, e in zip(exact.names, exact.executions(state)) if e is not None}
+    return SearchResult(plan.with_executions(executions), best_s, baseline_plan, baseline_s,
+                        time.perf_counter() - begin, evaluated, tuple(history))
 
 
 class _Elites:
@@ -200,13 +214,15 @@ def plan_energy(space: PlanSpace, state: list[int]) -> tuple[float, bool]:
     return seconds, True
 
 
-def _initial_states(space: PlanSpace, baseline: ExecutionPlan | None) -> list[list[int]]:
-    """Starting points: the baseline (when it is among the candidates) and each call's fastest."""
+def _initial_states(space: PlanSpace, *plans: ExecutionPlan | None) -> list[list[int]]:
+    """Starting points: each call's fastest, and the given plans (baseline, start), which are
+    among the candidates."""
     fastest = [min(range(len(d)), key=lambda k, d=d: d[k][-1]) for d in space.level_s]
     states = [fastest]
-    if baseline is not None:
-        placements = baseline.as_dict()
-        states.append([cands.index(placements[name]) for name, cands in zip(space.names, space.candidates)])
+    for plan in plans:
+        if plan is not None:
+            placements = plan.as_dict()
+            states.append([cands.index(placements[name]) for name, cands in zip(space.names, space.candidates)])
     return states
 
 

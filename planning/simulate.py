@@ -2,17 +2,21 @@
 
 Model (the same one the search optimises, through `planning.plan_space.PlanSpace`):
 
-* Iterations are dispatched one after another, calls in graph order, as the driver does; each
-  GPU executes what it is given in that order. Calls on disjoint meshes therefore run
-  concurrently and calls on overlapping meshes serialise.
+* Calls are dispatched in `Graph.dispatch_order`, as the driver submits them (on-policy:
+  iteration after iteration in graph order; with max_staleness k, the generation of iteration
+  i + k + 1 right after the training of iteration i); each GPU executes what it is given in that
+  order. Calls on disjoint meshes therefore run concurrently and calls on overlapping meshes
+  serialise.
 * A call waits for its data parents of the same iteration (`Graph.data_parents`) and its
-  version parents of the previous iteration (`Graph.version_parents`: the role's train call).
+  version parents (`Graph.version_parents`: the role's train call) `Graph.version_lag`
+  iterations back: 1, or k + 1 for generation.
 * For a trained role, the train call's placement is where the weights (and optimizer) live.
   Another call of that role on a different placement is preceded by a reallocation task
   train -> call on the union of both meshes, which may start as soon as the new weights exist.
   Never-trained roles (ref, reward) keep their weights where their calls run: no reallocation.
 * Steady-state iteration time = (end of the last iteration - end of the first) / (n - 1): the
-  first iteration carries the pipeline fill, later ones show cross-iteration overlap.
+  first iteration carries the pipeline fill, later ones show cross-iteration overlap. With
+  staleness k, k more iterations are scheduled so that generation running ahead is in the window.
 * Memory per GPU = resident bytes (each trained role's weights + optimizer shard on its train
   mesh; each never-trained role's weights on every placement it runs on) + the largest
   transient of the calls on that GPU (activations, gradients, KV cache, and the weights of a
@@ -21,16 +25,21 @@ Model (the same one the search optimises, through `planning.plan_space.PlanSpace
   resident bytes of its GPUs, so a crowded GPU makes a call slower before it makes the plan
   infeasible. A plan where even the leanest level does not fit is infeasible.
 
+A plan that names a call's execution (`ExecutionPlan.executions`: its micro-batch token budget
+or generation rounds) is simulated at exactly that level; `complete_plan` fills in the level the
+simulator picks for every call that has none, which is what the workers then run.
+
 Not modelled: moving call outputs between meshes (sequences and scalars, small next to weights)
 and CPU offload of idle weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planning.cost import PlanningProblem
-from planning.plan import ExecutionPlan
+from planning.dataflow import Graph
+from planning.plan import CallExecution, ExecutionPlan
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache, TaskRecord
 
 
@@ -56,13 +65,34 @@ class SimResult:
     peak_mem_bytes: dict[int, float]
     feasible: bool
     reason: str = ""
+    executions: dict[str, CallExecution] = field(default_factory=dict)  # how each call runs
+    call_mem_bytes: dict[str, float] = field(default_factory=dict)  # peak per GPU while a call runs
+
+
+def with_default_placements(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` with a placement for every call of `graph`, in graph order: a call it leaves out
+    takes the placement of `graph.placement_default` (PPO's actor_inf: the actor's train call).
+    Calls without a default stay missing (plan_space_for names them)."""
+    given = plan.as_dict()
+    out = {}
+    for m in graph.mfcs:
+        default = graph.placement_default(m.name)
+        if m.name in given:
+            out[m.name] = given[m.name]
+        elif default is not None and default in given:
+            out[m.name] = given[default]
+    out.update({name: p for name, p in given.items() if name not in out})
+    return ExecutionPlan.from_dict(out, dict(plan.executions))
 
 
 def plan_space_for(
     problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3,
     costs: CallCostCache | None = None, reallocs: ReallocCache | None = None,
 ) -> PlanSpace:
-    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem)."""
+    """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem; calls
+    it leaves out take their `Graph.placement_default`), its executions pinned where the plan
+    names them."""
+    plan = with_default_placements(problem.graph, plan)
     placements = plan.as_dict()
     names = [m.name for m in problem.graph.mfcs]
     missing = [n for n in names if n not in placements]
@@ -77,7 +107,8 @@ def plan_space_for(
             raise ValueError(
                 f"plan: mesh {p.mesh} of {name} is not inside the {cluster.nodes}x{cluster.gpus_per_node} cluster"
             )
-    return PlanSpace(problem, [[placements[n]] for n in names], iterations, costs, reallocs)
+    pinned = [plan.execution(n) for n in names]
+    return PlanSpace(problem, [[placements[n]] for n in names], iterations, costs, reallocs, pinned)
 
 
 def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3) -> SimResult:
@@ -93,7 +124,21 @@ def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3)
     durations, _, _ = space.call_levels(state)
     iteration_s, schedule_reason = space.schedule(state, durations, records)
     _, reason = space.evaluate(state)
-    return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason)
+    executions = {n: e for n, e in zip(space.names, space.executions(state)) if e is not None}
+    call_mem = dict(zip(space.names, space.call_peak_bytes(state)))
+    return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason,
+                     executions, call_mem)
+
+
+def complete_plan(problem: PlanningProblem, plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` with an execution for every call: the ones it names, and for the others the level
+    the simulator picks (the fastest that fits beside the resident weights)."""
+    plan = with_default_placements(problem.graph, plan)
+    space = plan_space_for(problem, plan, iterations=1)
+    chosen = space.executions([0] * len(space.names))
+    given = dict(plan.executions)
+    executions = {n: given.get(n, e) for n, e in zip(space.names, chosen) if given.get(n, e) is not None}
+    return plan.with_executions(executions)
 
 
 def _task(record: TaskRecord) -> SimTask:

@@ -18,6 +18,12 @@ realloc or worker. In dependency order:
 
 from __future__ import annotations
 
+from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
+from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
+from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
+from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, adamw_config_from
+from actors.engine.packing import PackedBatch, pack_sequences
+from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
 from actors.engine.process_groups import (
     ParallelGroups,
     build_parallel_groups,
@@ -25,12 +31,6 @@ from actors.engine.process_groups import (
     init_local_world,
     world_timeout,
 )
-from actors.engine.packing import PackedBatch, pack_sequences
-from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
-from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
-from actors.engine.optimizer import AdamWConfig, ShardedAdamW, adamw_config_from
-from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
-from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
 
 __all__ = [
     # process_groups.py
@@ -42,7 +42,7 @@ __all__ = [
     # parallelize.py
     "build_model_shard", "named_trainable_parameters", "norm_excluded_names",
     # optimizer.py
-    "AdamWConfig", "ShardedAdamW", "adamw_config_from",
+    "AdamWConfig", "OPTIMIZER_STATE_KEYS", "ShardedAdamW", "adamw_config_from",
     # model_engine.py
     "LossFn", "ModelEngine", "SequenceBatch",
     # hf_io.py

@@ -3,7 +3,11 @@
 Batches (`SequenceBatch`) are packed token streams plus named per-token [T] and per-sequence
 [B] tensors. Every rank of the mesh is given the same global batch; dp rank d keeps the
 sequences `split_by_tokens(lengths, dp)[d]` (contiguous, token-balanced) and splits them again
-into micro-batches for the pipeline, so the split is identical on all ranks without talking.
+into micro-batches, so the split is identical on all ranks without talking. The number of
+micro-batches of a share of N tokens is max(n_micro, ceil(N / micro_batch_tokens)) when a token
+budget is given (what the plan's `CallExecution` says), else n_micro; never more than the
+share's sequences (groups). Inference reduces each micro-batch's logits [T_mb, V/tp] to [T_mb]
+before the next one runs, so at most one micro-batch of logits exists at a time.
 
 Output convention (the one of actors.rl.advantages): entry i is about token i.
   forward_logprobs: logprobs[i] = log p(token_i | tokens before it in its sequence); each
@@ -141,18 +145,32 @@ class ModelEngine:
         """Install an optimizer built elsewhere (e.g. after a checkpoint load)."""
         self._optimizer = optimizer
 
+    def drop_optimizer(self) -> None:
+        """Forget the optimizer (its state moved with the model's home to another placement)."""
+        self._optimizer = None
+
     # ---- batch splitting -------------------------------------------------------------------------
     def dp_share(self, batch: SequenceBatch) -> SequenceBatch:
         """The sequences of `batch` this dp rank processes."""
         parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
         return batch.select(parts[self.groups.dp_rank])
 
-    def _micro_batches(self, share: SequenceBatch, n_micro: int) -> list[MicroBatch]:
+    def micro_batch_split(self, share: SequenceBatch, n_micro: int = 1,
+                          micro_batch_tokens: int | None = None) -> list[range]:
+        """Sequence ranges of the micro-batches of a dp share (see the module docstring)."""
         if n_micro < 1:
             raise ValueError(f"n_micro={n_micro}: must be >= 1")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens={micro_batch_tokens}: must be >= 1 or None")
+        count = n_micro
+        if micro_batch_tokens is not None:
+            count = max(count, -(-share.tokens.numel() // micro_batch_tokens))
         n_groups = len(share.lengths) // share.group_size
-        parts = split_by_tokens(list(share.lengths), min(n_micro, n_groups), share.group_size)
-        return [share.select(part).micro_batch(self.device) for part in parts]
+        return split_by_tokens(list(share.lengths), min(count, n_groups), share.group_size)
+
+    def _micro_batches(self, share: SequenceBatch, n_micro: int, micro_batch_tokens: int | None) -> list[MicroBatch]:
+        return [share.select(part).micro_batch(self.device)
+                for part in self.micro_batch_split(share, n_micro, micro_batch_tokens)]
 
     # ---- heads -------------------------------------------------------------------------------------
     def _per_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
@@ -163,8 +181,11 @@ class ModelEngine:
 
     # ---- training ----------------------------------------------------------------------------------
     def backward_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
-                      with_entropy: bool = False, shift_values: bool = True) -> tuple[dict[str, float], float]:
+                      with_entropy: bool = False, shift_values: bool = True,
+                      micro_batch_tokens: int | None = None,
+                      grad_of: Callable[[str], Tensor | None] | None = None) -> tuple[dict[str, float], float]:
         """Forward + backward over this rank's share, leaving un-normalised gradient sums in .grad
+        or, inside the optimizer's fp32_accumulation, in its fp32 main_grad (grad_of finds them)
         (tp/tied-embedding fix-ups applied, dp not yet reduced). Returns (metrics, global count).
 
         loss_fn gets (logprobs or values [T_mb], data) where data holds the micro-batch's
@@ -182,9 +203,9 @@ class ModelEngine:
             sums.append(result)
             return result.loss
 
-        micro = self._micro_batches(self.dp_share(batch), n_micro)
+        micro = self._micro_batches(self.dp_share(batch), n_micro, micro_batch_tokens)
         train_1f1b(self.model, micro, self.groups, micro_loss, self.spec.hidden_size, self.dtype)
-        sync_model_parallel_grads(self.model, self.groups)
+        sync_model_parallel_grads(self.model, self.groups, grad_of)
         return self._reduce_metrics(sums)
 
     def _reduce_metrics(self, sums: list[LossSums]) -> tuple[dict[str, float], float]:
@@ -209,18 +230,25 @@ class ModelEngine:
         return metrics, count
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
-                   with_entropy: bool = False, shift_values: bool = True) -> dict[str, float]:
-        """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr."""
-        self.optimizer.zero_grad()
-        metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values)
-        finite = math.isfinite(metrics["loss"])  # the same on every rank: reduced over the mesh
-        metrics.update(self.optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0, skip=not finite))
+                   with_entropy: bool = False, shift_values: bool = True,
+                   micro_batch_tokens: int | None = None) -> dict[str, float]:
+        """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr. Gradients of
+        bf16/fp16 parameters are summed over micro-batches in fp32 (the optimizer's main_grad).
+        A non-finite loss (the same on every rank: reduced over the mesh) skips the update."""
+        optimizer = self.optimizer
+        optimizer.zero_grad()
+        with optimizer.fp32_accumulation():
+            metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values,
+                                                micro_batch_tokens, optimizer.grad_of)
+        finite = math.isfinite(metrics["loss"])
+        metrics.update(optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0, skip=not finite))
         return metrics
 
     # ---- inference ---------------------------------------------------------------------------------
-    def _forward(self, batch: SequenceBatch, n_micro: int, temperature: float, shift: bool, gather_dp: bool) -> Tensor:
+    def _forward(self, batch: SequenceBatch, n_micro: int, temperature: float, shift: bool, gather_dp: bool,
+                 micro_batch_tokens: int | None) -> Tensor:
         share = self.dp_share(batch)
-        micro = self._micro_batches(share, n_micro)
+        micro = self._micro_batches(share, n_micro, micro_batch_tokens)
         self.model.eval()
         try:
             outs = forward_fill_drain(self.model, micro, self.groups,
@@ -247,18 +275,18 @@ class ModelEngine:
         return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
 
     def forward_logprobs(self, batch: SequenceBatch, n_micro: int = 1, temperature: float = 1.0,
-                         gather_dp: bool = True) -> Tensor:
+                         gather_dp: bool = True, micro_batch_tokens: int | None = None) -> Tensor:
         """float32 [T] token logprobs (module docstring), on every rank; [T_share] without gather_dp."""
         if self.critic:
             raise ValueError("forward_logprobs: this engine holds a critic; use forward_values")
-        return self._forward(batch, n_micro, temperature, shift=False, gather_dp=gather_dp)
+        return self._forward(batch, n_micro, temperature, False, gather_dp, micro_batch_tokens)
 
     def forward_values(self, batch: SequenceBatch, n_micro: int = 1, shift: bool = True,
-                       gather_dp: bool = True) -> Tensor:
+                       gather_dp: bool = True, micro_batch_tokens: int | None = None) -> Tensor:
         """float32 [T] values (critic, shift=True) or per-position scores (reward, shift=False)."""
         if not self.critic:
             raise ValueError("forward_values: this engine holds an actor; use forward_logprobs")
-        return self._forward(batch, n_micro, 1.0, shift=shift, gather_dp=gather_dp)
+        return self._forward(batch, n_micro, 1.0, shift, gather_dp, micro_batch_tokens)
 
 
 __all__ = ["LossFn", "ModelEngine", "SequenceBatch"]

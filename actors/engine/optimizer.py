@@ -16,11 +16,20 @@ master copy of those elements and AdamW's m and v. One step:
 
 Gradients are SUMMED over dp, never averaged: the engine normalises the loss globally.
 The learning rate follows linear warmup then cosine decay (`lr_at`).
+
+Accumulation over micro-batches (`fp32_accumulation`): each micro-batch back-propagates an
+un-normalised sum, so a bf16 `.grad` that accumulated them would be rounded to bf16 after every
+addition (relative error growing with the micro-batch count). Inside the context, a hook moves
+each low-precision parameter's `.grad` after every backward into an fp32 buffer [N_pad] laid out
+like the flat gradient of step 1 (Megatron's main_grad) and frees it; step 1 then reads that
+buffer. fp32 parameters (CPU runs) accumulate in their own `.grad` as before.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +98,10 @@ def lr_at(config: AdamWConfig, step: int) -> float:
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# What ShardedAdamW keeps per element of its slice (each a fp32 [S] tensor of the same name).
+OPTIMIZER_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
 def _reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
     """out [S] = this rank's slice of flat [S * world] summed over the group."""
     # reduce_scatter_single is the newer name (torch >= 2.12); older torch has only _tensor.
@@ -142,6 +155,7 @@ class ShardedAdamW:
         self.norm_mask = self._gather_slice(self._per_element(counted), device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        self.main_grad: Tensor | None = None  # fp32 [N_pad] while gradients accumulate (fp32_accumulation)
 
     def _per_element(self, per_param: list[float]) -> list[Tensor]:
         """One flag per parameter -> a flat tensor per parameter filled with it."""
@@ -166,14 +180,45 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        self.main_grad = None
 
-    def _reduce_scattered_grad(self) -> Tensor:
-        """fp32 [S]: this rank's slice of the gradient summed over dp."""
+    @contextmanager
+    def fp32_accumulation(self) -> Iterator[None]:
+        """Accumulate the gradients of parameters below fp32 in `main_grad` (module docstring)."""
+        low = [(p, offset) for p, offset in zip(self.params, self.offsets) if p.dtype != torch.float32]
+        if not low:
+            yield
+            return
+        if self.main_grad is None:
+            dp = group_size(self.dp_group)
+            self.main_grad = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
+        main = self.main_grad
+        handles = [p.register_post_accumulate_grad_hook(_mover(main[offset:offset + p.numel()].view(p.shape)))
+                   for p, offset in low]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def grad_of(self, name: str) -> Tensor | None:
+        """The gradient accumulated so far for parameter `name`: its fp32 main_grad view inside
+        fp32_accumulation, else its .grad (None when it has none)."""
+        index = self.names.index(name)
+        p, offset = self.params[index], self.offsets[index]
+        if self.main_grad is not None and p.dtype != torch.float32:
+            return self.main_grad[offset:offset + p.numel()].view(p.shape)
+        return p.grad
+
+    def reduced_grad(self) -> Tensor:
+        """fp32 [S]: this rank's slice of the gradient summed over dp (before grad_scale)."""
         dp = group_size(self.dp_group)
         flat = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
+        if self.main_grad is not None:
+            flat.copy_(self.main_grad)
         for p, offset in zip(self.params, self.offsets):
             if p.grad is not None:
-                flat[offset:offset + p.numel()] = p.grad.flatten()
+                flat[offset:offset + p.numel()] += p.grad.flatten()
         if dp == 1:
             return flat
         out = torch.empty(self.slice_size, dtype=torch.float32, device=flat.device)
@@ -207,7 +252,7 @@ class ShardedAdamW:
         so does `skip` (the engine passes it for a non-finite loss, which is the same on every
         rank too). A skipped step leaves weights, moments and the step count untouched.
         """
-        grad = self._reduce_scattered_grad().mul_(grad_scale)
+        grad = self.reduced_grad().mul_(grad_scale)
         norm = self.global_grad_norm(grad)
         lr = lr_at(self.config, self.steps_done)
         if skip or not math.isfinite(norm):
@@ -219,28 +264,42 @@ class ShardedAdamW:
         self._write_back()
         return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
 
-    # ---- checkpoint state -------------------------------------------------------------------------
-    STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+    # ---- the whole state, for moving the optimizer to another layout --------------------------
+    @torch.no_grad()
+    def full_state(self, key: str) -> dict[str, Tensor]:
+        """One of OPTIMIZER_STATE_KEYS for every parameter of this shard: name -> fp32 tensor shaped like the
+        parameter, the dp slices gathered (collective over the dp group). Like the parameters
+        themselves these can be resharded to another layout (`actors.realloc`)."""
+        if key not in OPTIMIZER_STATE_KEYS:
+            raise ValueError(f"ShardedAdamW.full_state({key!r}): allowed: {', '.join(OPTIMIZER_STATE_KEYS)}")
+        part = getattr(self, key)
+        dp = group_size(self.dp_group)
+        full = part
+        if dp > 1:
+            full = torch.empty(self.slice_size * dp, dtype=torch.float32, device=part.device)
+            _all_gather_flat(full, part, self.dp_group)
+        return {name: full[offset:offset + p.numel()].view(p.shape).clone()
+                for name, p, offset in zip(self.names, self.params, self.offsets)}
+
+    @torch.no_grad()
+    def load_full_state(self, key: str, state: dict[str, Tensor]) -> None:
+        """Take this rank's slice of one of OPTIMIZER_STATE_KEYS from whole per-parameter tensors (as
+        `full_state` gives them, possibly moved from another layout)."""
+        missing = [name for name in self.names if name not in state]
+        if missing or key not in OPTIMIZER_STATE_KEYS:
+            raise ValueError(f"ShardedAdamW.load_full_state({key!r}): missing parameters {missing[:4]}")
+        flats = [state[name].to(device=self.master.device, dtype=torch.float32).flatten() for name in self.names]
+        getattr(self, key).copy_(self._gather_slice(flats, self.master.device))
+
+    STATE_KINDS = OPTIMIZER_STATE_KEYS
 
     @torch.no_grad()
     def per_parameter_state(self) -> dict[str, dict[str, Tensor]]:
         """The fp32 master weights and AdamW moments as per-parameter tensors of this shard:
-        {kind: {name: fp32 tensor shaped like the parameter}} for kind in STATE_KINDS.
-
-        Collective over dp: each kind's [S] slices are all-gathered into the shard's flat [N_pad]
-        vector, then viewed per parameter (the inverse of the ZeRO-1 split). Per-parameter views,
-        keyed by HF name like the weights, are what lets a checkpoint be resharded onto another
-        layout by the reallocation planner."""
-        dp = group_size(self.dp_group)
-        out: dict[str, dict[str, Tensor]] = {}
-        for kind, part in zip(self.STATE_KINDS, (self.master, self.exp_avg, self.exp_avg_sq)):
-            full = part
-            if dp > 1:
-                full = torch.empty(self.slice_size * dp, dtype=torch.float32, device=part.device)
-                _all_gather_flat(full, part, self.dp_group)
-            out[kind] = {name: full[offset:offset + p.numel()].view_as(p).clone()
-                         for name, p, offset in zip(self.names, self.params, self.offsets)}
-        return out
+        {kind: {name: fp32 tensor shaped like the parameter}} for kind in STATE_KINDS (collective
+        over dp, `full_state`). Keyed by HF name like the weights, a checkpoint of them can be
+        resharded onto another layout by the reallocation planner."""
+        return {kind: self.full_state(kind) for kind in self.STATE_KINDS}
 
     @torch.no_grad()
     def load_per_parameter_state(self, state: dict[str, dict[str, Tensor]], steps_done: int) -> None:
@@ -249,7 +308,7 @@ class ShardedAdamW:
         the step count of the LR schedule and bias corrections. The parameters are not touched."""
         if steps_done < 0:
             raise ValueError(f"steps_done={steps_done}: must be >= 0")
-        for kind, target in zip(self.STATE_KINDS, (self.master, self.exp_avg, self.exp_avg_sq)):
+        for kind in self.STATE_KINDS:
             given = state.get(kind, {})
             missing = [name for name in self.names if name not in given]
             if missing:
@@ -258,8 +317,7 @@ class ShardedAdamW:
                 if tuple(given[name].shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {kind}/{name}: shape {tuple(given[name].shape)}, the "
                                      f"parameter's is {tuple(p.shape)}")
-            flats = [given[name].to(device=target.device, dtype=torch.float32).flatten() for name in self.names]
-            target.copy_(self._gather_slice(flats, target.device))
+            self.load_full_state(kind, given)
         self.steps_done = steps_done
 
     def _adamw_update(self, grad: Tensor, lr: float) -> None:
@@ -275,4 +333,16 @@ class ShardedAdamW:
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
 
 
-__all__ = ["AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]
+def _mover(target: Tensor) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook adding a parameter's .grad into `target` (fp32, same shape)
+    and freeing it, so the next backward starts a fresh low-precision gradient."""
+
+    def hook(param: Tensor) -> None:
+        if param.grad is not None:
+            target.add_(param.grad)
+            param.grad = None
+
+    return hook
+
+
+__all__ = ["OPTIMIZER_STATE_KEYS", "AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

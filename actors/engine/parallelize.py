@@ -19,9 +19,11 @@ Gradient fix-ups the model itself cannot do are in `sync_model_parallel_grads`: 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from actors.engine.model import Transformer, init_param_tensor
 from actors.engine.process_groups import ParallelGroups, group_rank, group_size
@@ -146,17 +148,20 @@ def norm_excluded_names(model: Transformer, spec: ModelSpec, groups: ParallelGro
     return frozenset(names)
 
 
-def sync_model_parallel_grads(model: Transformer, groups: ParallelGroups) -> None:
+def sync_model_parallel_grads(model: Transformer, groups: ParallelGroups,
+                              grad_of: Callable[[str], Tensor | None] | None = None) -> None:
     """Sum the partial gradients of replicated K/V over tp and a tied embedding's two copies over
-    the embedding group (call after backward, before the optimizer step)."""
+    the embedding group (call after backward, before the optimizer step). grad_of(name): where a
+    parameter's accumulated gradient is (the optimizer's fp32 main_grad), default its .grad."""
     params = dict(model.named_parameters())
+    grad_of = grad_of or (lambda name: params[name].grad)
     if groups.tp_group is not None:
         for name in tp_partial_grad_names(model):
-            grad = params[name].grad
+            grad = grad_of(name)
             if grad is not None:
                 dist.all_reduce(grad, group=groups.tp_group)
     if groups.embedding_group is not None and EMBEDDING in params and has_tied_copies(model, groups):
-        grad = params[EMBEDDING].grad
+        grad = grad_of(EMBEDDING)
         if grad is None:
             grad = params[EMBEDDING].grad = torch.zeros_like(params[EMBEDDING])
         dist.all_reduce(grad, group=groups.embedding_group)

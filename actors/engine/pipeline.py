@@ -198,6 +198,7 @@ def forward_fill_drain(model: Transformer, micro_batches: list[MicroBatch], grou
         out = model(mb.tokens if first else received, mb.packed)
         if last:
             results.append(head_fn(out, mb))
+            del out  # this micro-batch's logits go before the next forward allocates its own
         else:
             out = out.contiguous()
             sends.append((p2p.send_next_async(out), out))

@@ -10,9 +10,9 @@ May import actors.engine and actors.kernels. In dependency order:
 
 from __future__ import annotations
 
-from actors.generation.sampling import SamplingParams
 from actors.generation.decoding import GenerationConfig
 from actors.generation.loop import generate
+from actors.generation.sampling import SamplingParams
 
 __all__ = [
     # sampling.py

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from actors.engine import PackedBatch, pack_sequences
 from actors.generation.kv_cache import DECODE_KERNELS, FusedQKV, HeadMajorKVCache
-from actors.generation.sampling import SampledTokens, SamplingParams
+from actors.generation.sampling import SampledTokens, SamplingParams, step_uniforms
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class GenerationConfig:
     elementwise kernels of a step; compiles once per call and attention bucket shape).
     fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
     per call, `actors.generation.kv_cache.FusedQKV`; costs those weights' bytes for the call).
+    uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
+    of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
+    sequence draws the random numbers it would draw in one call over the whole batch.
     """
 
     max_new_tokens: int
@@ -48,6 +51,8 @@ class GenerationConfig:
     decode_attention: str = "auto"
     compile_decode: bool = False
     fuse_qkv: bool = True
+    uniform_offset: int = 0
+    uniform_total: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -59,6 +64,20 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
             raise ValueError(f"GenerationConfig.pp_micro_batches={self.pp_micro_batches}: must be >= 1 or None")
+        if self.uniform_offset < 0 or (self.uniform_total is not None and self.uniform_total <= self.uniform_offset):
+            raise ValueError(f"GenerationConfig.uniform_offset={self.uniform_offset}, uniform_total={self.uniform_total}: "
+                             "need 0 <= offset < total")
+
+    def step_uniforms(self, step: int, n_seqs: int, device: torch.device | str) -> Tensor | None:
+        """float32 [n_seqs] random numbers of decode step `step` for this call's sequences (None
+        when greedy): their rows of the draw for the whole batch (see uniform_offset)."""
+        if self.sampling.greedy:
+            return None
+        total = self.uniform_total if self.uniform_total is not None else n_seqs
+        if self.uniform_offset + n_seqs > total:
+            raise ValueError(f"GenerationConfig: {n_seqs} prompts from row {self.uniform_offset} exceed "
+                             f"uniform_total={total}")
+        return step_uniforms(self.seed, step, total, device)[self.uniform_offset:self.uniform_offset + n_seqs]
 
     @property
     def stop_token(self) -> int | None:

@@ -43,7 +43,7 @@ from actors.generation.decoding import (
 )
 from actors.generation.kv_cache import FusedQKV
 from actors.generation.pipelined import generate_pipelined
-from actors.generation.sampling import sample_tensor_parallel, step_uniforms
+from actors.generation.sampling import sample_tensor_parallel
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     for step in range(config.max_new_tokens):
-        uniforms = None if config.sampling.greedy else step_uniforms(config.seed, step, len(prompts), device)
+        uniforms = config.step_uniforms(step, len(prompts), device)
         sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
         next_tokens = recorder.record(None, step, sampled)
         # The finished check syncs with the device; without a stop token nothing can finish early.

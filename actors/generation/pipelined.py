@@ -36,7 +36,7 @@ from actors.generation.decoding import (
     prepare_cache,
 )
 from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
-from actors.generation.sampling import sample_tensor_parallel, step_uniforms
+from actors.generation.sampling import sample_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,7 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     recorder = ResponseRecorder(len(prompts), config, device)
     running = [True] * len(slots)
     for rnd in range(config.max_new_tokens):
-        uniforms = None
-        if groups.is_last_stage and not config.sampling.greedy:
-            uniforms = step_uniforms(config.seed, rnd, len(prompts), device)
+        uniforms = config.step_uniforms(rnd, len(prompts), device) if groups.is_last_stage else None
         for m, slot in enumerate(slots):
             if not running[m]:
                 continue

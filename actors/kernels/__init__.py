@@ -10,19 +10,19 @@ Imports nothing of actors/ but its own modules (the bottom layer).
 
 from __future__ import annotations
 
-from actors.kernels.switch import triton_on, triton_runs
 from actors.kernels.decode_attention import gqa_decode_attention, kernel_supports_head_dim
 from actors.kernels.fused_logprobs import logprob_grad, logprob_row_stats
 from actors.kernels.fused_sampling import sample_rows, sample_rows_reference
 from actors.kernels.segment_copy import (
+    PROGRAMS,
     Copy2D,
     CopyTable,
-    PROGRAMS,
     bases_aligned,
     launch_copies,
     resolve_fields,
     source_deltas,
 )
+from actors.kernels.switch import triton_on, triton_runs
 
 __all__ = [
     # switch.py

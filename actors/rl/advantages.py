@@ -1,4 +1,5 @@
-"""Advantage estimation for RLHF on packed batches: GAE, GRPO, ReMax, whitening, KL control.
+"""Advantage estimation for RLHF on packed batches: GAE, ReMax, whitening, KL control (the
+group-based outcome advantages of GRPO, RLOO, REINFORCE++ are in `actors.rl.outcome`).
 
 Convention (shared with `actors.rl.losses`): a batch of B sequences (prompt + response) is packed
 into one 1-D stream of N tokens with `cu_seqlens` [B+1] (int32 or int64, starting at 0, as in
@@ -149,27 +150,6 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return out * m
 
 
-def grpo_outcome_advantages(scores: Tensor, group_size: int, eps: float = 1e-6,
-                            scale_by_std: bool = True) -> Tensor:
-    """GRPO group-normalised outcome advantages per sequence [B].
-
-    scores [B] are ordered so that each run of `group_size` consecutive entries answers one prompt.
-    A_i = (s_i - mean_group) / (std_group + eps) with the unbiased std; `scale_by_std=False` gives
-    the Dr. GRPO variant A_i = s_i - mean_group. Broadcast to tokens with
-    `broadcast_to_tokens(adv, response_mask, cu_seqlens)`.
-    """
-    if group_size < 2:
-        raise ValueError(f"group_size={group_size}: must be >= 2 (a group of one has no baseline)")
-    if scores.dim() != 1 or scores.numel() % group_size != 0:
-        raise ValueError(f"scores: shape {tuple(scores.shape)}; must be 1-D with a length divisible by "
-                         f"group_size={group_size}")
-    groups = scores.detach().view(-1, group_size)  # [B / G, G]
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
-
-
 def remax_advantages(token_rewards: Tensor, baseline_scores: Tensor, response_mask: Tensor,
                      cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023): returns are the undiscounted reward-to-go of the sampled response;
@@ -238,6 +218,6 @@ def make_kl_controller(kind: str, coef: float, target_kl: float | None = None,
 
 __all__ = [
     "AdaptiveKLController", "FixedKLController", "broadcast_to_tokens", "discounted_gae",
-    "grpo_outcome_advantages", "last_response_indices", "make_kl_controller", "masked_whiten", "ppo_advantages",
+    "last_response_indices", "make_kl_controller", "masked_whiten", "ppo_advantages",
     "remax_advantages", "reward_to_go", "sequence_ids", "token_level_rewards",
 ]

@@ -1,4 +1,4 @@
-"""Training losses for RLHF on packed per-token tensors: PPO policy/value, KL, DPO, SFT.
+"""Training losses for RLHF on packed per-token tensors: PPO and GSPO policy, value, KL, DPO, SFT.
 
 Tensor convention: see `actors.rl.advantages`. Per-token tensors are float [N] aligned with the
 packed token stream (entry i is about token i), `mask` [N] selects the tokens that count
@@ -113,11 +113,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                     clip_eps: float = 0.2, clip_eps_high: float | None = None,
                     dual_clip: float | None = None, agg: str = "token-mean",
-                    cu_seqlens: Tensor | None = None) -> LossSums:
+                    cu_seqlens: Tensor | None = None, is_weights: Tensor | None = None) -> LossSums:
     """Clipped PPO surrogate (Schulman et al. 2017), optionally asymmetric (DAPO clip-higher) and
     dual-clipped (Ye et al. 2020: for A < 0 the loss is capped at -A * dual_clip).
 
-    logprobs (with grad), old_logprobs, advantages, mask: [N].
+    logprobs (with grad), old_logprobs, advantages, mask: [N]. is_weights [N] (optional,
+    `actors.rl.importance.truncated_is_weights`): each token's loss is multiplied by its weight.
     Stats (sums): pg_loss, pg_clipfrac (tokens where clipping is active), pg_clipfrac_lower
     (tokens capped by dual clip), ppo_kl (k1 estimate of KL(old || new)).
     """
@@ -139,6 +140,9 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         cap = -advantages * dual_clip
         lower_active = ((losses > cap) & (advantages < 0)).to(logprobs.dtype)
         losses = torch.where(advantages < 0, torch.minimum(losses, cap), losses)
+    if is_weights is not None:
+        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
+        losses = losses * is_weights.detach()
     loss, count = aggregate(losses, mask, agg, cu_seqlens)
     with torch.no_grad():
         stats = {
@@ -146,6 +150,49 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
             "pg_clipfrac": aggregate(clip_active, mask, agg, cu_seqlens)[0],
             "pg_clipfrac_lower": aggregate(lower_active, mask, agg, cu_seqlens)[0],
             "ppo_kl": aggregate(-log_ratio, mask, agg, cu_seqlens)[0],
+        }
+    return LossSums(loss, count, stats)
+
+
+def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cu_seqlens: Tensor,
+                     clip_eps: float = 3e-4, clip_eps_high: float | None = 4e-4, agg: str = "seq-mean-token-mean",
+                     is_weights: Tensor | None = None) -> LossSums:
+    """GSPO (Zheng et al. 2025): the clipped surrogate on one importance ratio per SEQUENCE,
+    s_i = exp(mean over i's response tokens of (log pi - log pi_old)), clipped to
+    [1 - clip_eps, 1 + clip_eps_high] (GSPO's ranges are ~1e-4, not PPO's 0.2).
+
+    Every token of sequence i carries s_i in the forward pass; its gradient flows through the
+    token's own logprob: log s_i,t = log pi_t - sg(log pi_t) + sg(log s_i) (veRL's form).
+    logprobs (with grad), old_logprobs, advantages (the sequence's advantage on each token),
+    mask: [N]; cu_seqlens [B+1]. Stats (sums) as `ppo_policy_loss`.
+    """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if clip_eps <= 0 or eps_high <= 0:
+        raise ValueError(f"clip_eps={clip_eps}, clip_eps_high={clip_eps_high}: must be > 0")
+    m = mask.to(logprobs.dtype)
+    advantages = advantages.detach()
+    log_ratio = (logprobs - old_logprobs.detach()) * m
+    seq = sequence_ids(cu_seqlens, logprobs.numel())
+    n_seqs = cu_seqlens.numel() - 1
+    seq_sum = torch.zeros(n_seqs, dtype=logprobs.dtype, device=logprobs.device).index_add(0, seq, log_ratio.detach())
+    seq_len = torch.zeros(n_seqs, dtype=logprobs.dtype, device=logprobs.device).index_add(0, seq, m).clamp(min=1)
+    log_seq_ratio = (seq_sum / seq_len)[seq]  # [N]: each token's sequence-mean log ratio
+    token_log_ratio = (logprobs - logprobs.detach() + log_seq_ratio).clamp(max=10.0)
+    ratio = token_log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    losses = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
+        losses = losses * is_weights.detach()
+    loss, count = aggregate(losses, mask, agg, cu_seqlens)
+    with torch.no_grad():
+        stats = {
+            "pg_loss": loss.detach(),
+            "pg_clipfrac": aggregate((clipped > unclipped).to(logprobs.dtype), mask, agg, cu_seqlens)[0],
+            "pg_clipfrac_lower": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
+            "ppo_kl": aggregate(-log_ratio.detach(), mask, agg, cu_seqlens)[0],
         }
     return LossSums(loss, count, stats)
 
@@ -275,6 +322,6 @@ def sft_loss(logprobs: Tensor, mask: Tensor, agg: str = "token-mean",
 
 __all__ = [
     "AGGREGATIONS", "KL_ESTIMATORS", "LossSums", "aggregate", "combine_losses", "dpo_loss", "entropy_term",
-    "kl_loss", "kl_penalty",
+    "gspo_policy_loss", "kl_loss", "kl_penalty",
     "ppo_policy_loss", "sequence_logprob_sums", "sft_loss", "value_loss",
 ]

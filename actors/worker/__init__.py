@@ -5,8 +5,15 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
   guards       reward functions under a time limit; non-finite rewards, losses, gradient norms
+  memory       the peak GPU memory of each call (a probe reset before it, read after it)
+  execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
-  train        the training ops: PPO actor and critic, GRPO, ReMax and DPO actors
+  behaviour    the behaviour policy's logprobs of a train call (actor_inf's, recomputed or reused) and
+               the truncated importance weights against the rollout's
+  train        the training ops: PPO actor and critic, ReMax and DPO actors
+  outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
+  select       the select_rows op: chosen rows of several calls' shards as one batch (dynamic sampling)
+  rehome       a trained model's home moved to another placement, weights and optimizer state
   state        a trained model's checkpoint state per shard, loaded under any layout
   progress     where the call thread of a busy worker is (for stall reports)
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
@@ -16,9 +23,12 @@ May import every other package of actors/ (the top layer), never ray, cluster or
 
 from __future__ import annotations
 
-from actors.worker.models import placement_group_sets
 from actors.worker.calls import CallSpec
+from actors.worker.execution import plan_micro_batching
+from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
 from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
+from actors.worker.models import placement_group_sets
+from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
     ProfileSettings,
@@ -26,11 +36,14 @@ from actors.worker.profiler import (
     measure_engine,
     measure_hardware,
 )
-from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 
 __all__ = [
     # models.py
     "placement_group_sets",
+    # memory.py
+    "MemoryPeak", "MemoryProbe", "memory_probe_for",
+    # execution.py
+    "plan_micro_batching",
     # calls.py
     "CallSpec",
     # model_worker.py

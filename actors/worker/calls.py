@@ -18,6 +18,12 @@ write (per-row lists; `<p>` is params["in_prefix"] / ["out_prefix"], default "")
 
 Inference and training ranks are given every row (the engine splits them over dp by tokens,
 and advantages are whitened over the whole batch); their owners return their dp rank's rows.
+
+How a call runs is the plan's `CallExecution` (`CallSpec.execution`): inference and training
+split each dp share into micro-batches of at most `micro_batch_tokens` tokens
+(`micro_batching`; MAX_MICRO_TOKENS when a call names none, so no call holds the logits of a
+whole batch), generation runs a dp rank's rows in `gen_rounds` rounds (`run_generate`).
+`timed` adds wall-clock times and the call's peak GPU memory on this rank to its metadata.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
-from actors.generation import GenerationConfig, SamplingParams, generate
+from actors.generation import GenerationConfig, SamplingParams
 from actors.worker.data import (
     dp_rows,
     gather_responses,
@@ -43,8 +49,10 @@ from actors.worker.data import (
     merge_shards,
     pack_rows,
 )
+from actors.worker.execution import MicroBatching, generate_in_rounds, generation_rounds, plan_micro_batching
 from actors.worker.guards import score_rows
-from planning.plan import Placement
+from actors.worker.memory import MemoryProbe, NoMemoryProbe
+from planning.plan import CallExecution, Placement, check_execution_kind
 
 KINDS = ("generate", "inference", "train")
 
@@ -60,12 +68,15 @@ class CallSpec:
     iteration: int
     n_rows: int  # sequences in the whole call
     params: dict[str, Any] = field(default_factory=dict)
+    execution: CallExecution | None = None  # the plan's micro-batching / rounds (None: defaults)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"CallSpec.kind={self.kind!r} (call {self.name}): allowed: {', '.join(KINDS)}")
         if self.n_rows < 1:
             raise ValueError(f"CallSpec.n_rows={self.n_rows} (call {self.name}): must be >= 1")
+        if self.execution is not None:
+            check_execution_kind(self.name, self.kind, self.execution)
 
     @property
     def op(self) -> str:
@@ -132,7 +143,9 @@ def generation_seed(base: int, iteration: int, first_row: int) -> int:
     return (base * 1_000_003 + iteration * 10_007 + first_row * 101) % (2**62)
 
 
-def generation_config(ctx: CallContext, first_row: int) -> GenerationConfig:
+def generation_config(ctx: CallContext, first_row: int, round_rows: range | None = None) -> GenerationConfig:
+    """The generation settings of this dp rank (rows from `first_row`); `round_rows`: the rows,
+    relative to `first_row`, of the round being generated (None: all of this rank's rows)."""
     p, spec = ctx.params, ctx.need_engine().spec
     greedy = bool(p.get("greedy", False))
     sampling = SamplingParams(0.0 if greedy else float(p.get("temperature", 1.0)), int(p.get("top_k", 0)),
@@ -146,6 +159,8 @@ def generation_config(ctx: CallContext, first_row: int) -> GenerationConfig:
         pad_token_id=int(p.get("pad_token_id", 0)),
         use_cuda_graph=ctx.device.type == "cuda" and bool(p.get("cuda_graph", True)),
         compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
+        uniform_offset=round_rows.start if round_rows is not None else 0,
+        uniform_total=len(ctx.my_rows) if round_rows is not None else None,
     )
 
 
@@ -160,15 +175,13 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     cols = merge_shards(inputs, prompt_rows, ["prompt_ids"], optional=["prompt", "answer"])
     index = [r // n_samples - prompt_rows.start for r in rows]
     prompts = [cols["prompt_ids"][i].to(ctx.device) for i in index]
-    config = generation_config(ctx, rows.start)
-    out = generate(engine.model, prompts, config, engine.groups)
-    lengths = out.response_lengths.tolist()
-    meta = {"response_lengths": lengths, "gen_tokens": int(sum(lengths))}
-    responses = [t.cpu() for t in out.responses()]
-    if config.sampling.truncates:  # collective over the mesh: every rank, before the owner check
-        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, config.sampling.temperature)
-    else:
-        logprobs = [t.float().cpu() for t in out.response_logprobs()]
+    rounds = generation_rounds(ctx.call.execution, len(prompts))
+    out = generate_in_rounds(engine.model, engine.groups, prompts, rounds,
+                             lambda part: generation_config(ctx, rows.start, part))
+    meta = {"response_lengths": out.lengths, "gen_tokens": int(sum(out.lengths)), "gen_rounds": out.rounds}
+    responses, logprobs = out.responses, out.logprobs
+    if out.sampling.truncates:  # collective over the mesh: every rank, before the owner check
+        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, out.sampling.temperature)
     if not ctx.owner:
         return owner_result(ctx, {}, meta)
     prefix = str(p.get("out_prefix", ""))
@@ -176,7 +189,7 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
         f"{prefix}prompt_ids": [t.cpu() for t in prompts],
         f"{prefix}response_ids": responses,
         f"{prefix}logprobs": logprobs,
-        f"{prefix}no_eos": [bool(x) for x in out.no_eos.tolist()],
+        f"{prefix}no_eos": out.no_eos,
         "prompt_index": [r // n_samples for r in rows],
     }
     for key in ("prompt", "answer"):
@@ -209,8 +222,9 @@ def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], response
         dist.all_gather_object(gathered, mine, group=groups.dp_group)  # dp rank order = row order
         rows = [row for part in gathered for row in part]
     tokens, lengths, _ = pack_rows([q for q, _ in rows], [r for _, r in rows])
-    per_token = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), n_micro(ctx), temperature,
-                                        gather_dp=True)
+    mb = micro_batching(ctx)
+    per_token = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), mb.n_micro, temperature,
+                                        gather_dp=True, micro_batch_tokens=mb.tokens)
     per_row = gather_responses(per_token, [q.numel() for q, _ in rows], [r.numel() for _, r in rows])
     start = ctx.my_rows.start
     return per_row[start:start + len(mine)]
@@ -275,16 +289,18 @@ def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str 
     return SequenceBatch(tokens, tuple(lengths)), [t.numel() for t in prompts], [t.numel() for t in responses]
 
 
-def n_micro(ctx: CallContext) -> int:
-    """Micro-batches per dp rank: params['micro_batches'], default the pipeline depth."""
-    return int(ctx.params.get("micro_batches", ctx.groups.layout.pp))
+def micro_batching(ctx: CallContext) -> MicroBatching:
+    """How this inference or train call splits its dp shares (`plan_micro_batching`)."""
+    return plan_micro_batching(ctx.call.execution, ctx.params.get("micro_batches"), ctx.groups.layout.pp)
 
 
 def run_model_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
     """A reward model's score: its head's output at each sequence's last token."""
     engine = ctx.need_engine()
     batch, plens, rlens = _packed_inputs(ctx, inputs, str(ctx.params.get("in_prefix", "")))
-    scores_per_pos = engine.forward_values(batch, n_micro(ctx), shift=False, gather_dp=True).float().cpu()
+    mb = micro_batching(ctx)
+    scores_per_pos = engine.forward_values(batch, mb.n_micro, shift=False, gather_dp=True,
+                                           micro_batch_tokens=mb.tokens).float().cpu()
     ends = torch.cumsum(torch.tensor(batch.lengths), 0) - 1
     scores = scores_per_pos[ends].tolist()
     out_key = str(ctx.params.get("out_key", "rewards"))
@@ -299,7 +315,8 @@ def run_logprobs(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     engine = ctx.need_engine()
     batch, plens, rlens = _packed_inputs(ctx, inputs)
     temperature = float(ctx.params.get("temperature", 1.0))
-    logprobs = engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True)
+    mb = micro_batching(ctx)
+    logprobs = engine.forward_logprobs(batch, mb.n_micro, temperature, gather_dp=True, micro_batch_tokens=mb.tokens)
     per_row = gather_responses(logprobs, plens, rlens)
     return owner_result(ctx, {str(ctx.params.get("out_key", "ref_logprobs")): per_row}, {})
 
@@ -308,27 +325,34 @@ def run_values(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, d
     """Critic values V(state before each response token)."""
     engine = ctx.need_engine()
     batch, plens, rlens = _packed_inputs(ctx, inputs)
-    values = engine.forward_values(batch, n_micro(ctx), shift=True, gather_dp=True)
+    mb = micro_batching(ctx)
+    values = engine.forward_values(batch, mb.n_micro, shift=True, gather_dp=True, micro_batch_tokens=mb.tokens)
     per_row = gather_responses(values, plens, rlens)
     return owner_result(ctx, {str(ctx.params.get("out_key", "values")): per_row}, {})
 
 
 def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | None]],
-          ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
-    """Run an op and add wall-clock start/end (seconds since the epoch) to its meta."""
+          ctx: CallContext, inputs: Sequence[dict | None],
+          memory: MemoryProbe | None = None) -> tuple[dict, dict | None]:
+    """Run an op and add wall-clock start/end (seconds since the epoch) and this rank's peak
+    memory during it (`peak_allocated_bytes` / `peak_reserved_bytes`, None on CPU) to its meta."""
+    probe = memory if memory is not None else NoMemoryProbe()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
+    probe.reset()
     start = time.time()
     meta, data = fn(ctx, inputs)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     end = time.time()
+    peak = probe.peak()
     return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
-            "seconds": end - start, **meta}, data
+            "seconds": end - start, "peak_allocated_bytes": peak.allocated_bytes if peak else None,
+            "peak_reserved_bytes": peak.reserved_bytes if peak else None, **meta}, data
 
 
 __all__ = [
-    "CallContext", "CallSpec", "KINDS", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
-    "generation_seed", "n_micro",
-    "owner_result", "run_generate", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "timed",
+    "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
+    "generation_seed", "micro_batching", "owner_result", "run_generate", "run_logprobs", "run_model_reward",
+    "run_rule_reward", "run_values", "timed",
 ]

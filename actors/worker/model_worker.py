@@ -10,6 +10,7 @@ calls the same methods in the same global order on every worker of a call's mesh
     w.reallocate("actor", home, gen_placement)   # ranks of both meshes
     meta, data = w.run_call(CallSpec(...), *producer_shards)   # ranks of the call's mesh
     w.release("actor", gen_placement); w.export("actor", out_dir)
+    w.rehome("actor", home, new_home)            # a re-plan moved the train call: ranks of both meshes
 
 Per role the worker keeps a `ModelCopies` (actors.realloc.offload: which placements have a copy on
 this GPU, the home copy, offloaded host copies) and one `ModelEngine` per placement it ever
@@ -60,6 +61,7 @@ from actors.worker.calls import (
     run_values,
     timed,
 )
+from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
     assemble_full_state,
@@ -70,9 +72,12 @@ from actors.worker.models import (
     shards_of,
     unbind_shards,
 )
+from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
 from actors.worker.progress import activity
+from actors.worker.rehome import move_trained_home
+from actors.worker.select import run_select_rows
 from actors.worker.state import load_rng_state, load_role_state, save_rng_state, save_role_state
-from actors.worker.train import run_dpo_actor, run_grpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
+from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
 from planning.realloc_plan import ReallocPlan, plan_reallocation
@@ -87,10 +92,12 @@ CALL_OPS = {
     "ppo_actor": run_ppo_actor,
     "ppo_critic": run_ppo_critic,
     "grpo_actor": run_grpo_actor,
+    "outcome_actor": run_outcome_actor,
+    "select_rows": run_select_rows,
     "remax_actor": run_remax_actor,
     "dpo_actor": run_dpo_actor,
 }
-MODEL_FREE_OPS = ("rule_reward",)
+MODEL_FREE_OPS = ("rule_reward", "select_rows")
 # Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
 # overlapping the worker's next GPU call; they join no collective and are pure functions of
 # their inputs, so neither the collective order nor any number changes.
@@ -106,6 +113,8 @@ class ModelWorker:
             raise ValueError(f"ModelWorker rank={rank}: must be in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(device)
+        # Peak memory of each call (None on CPU); a subclass may install another probe.
+        self.memory_probe: MemoryProbe = memory_probe_for(self.device)
         self._groups = ReallocGroups()
         self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}
@@ -266,11 +275,8 @@ class ModelWorker:
             # A stale extra copy (made before the last training step): free it before allocating.
             state.copies.after_call(dst, None)
             self._sync_engines(state)
-        key = (state.spec, state.critic, src, dst)
-        plan = self._realloc_plans.get(key)
-        if plan is None:
-            plan = self._realloc_plans[key] = plan_reallocation(*key)
-        new, moved = execute_reallocation(plan, self.rank, src_shards, self._groups, self.device, state.dtype)
+        new, moved = execute_reallocation(self._plan(state, src, dst), self.rank, src_shards, self._groups, self.device,
+                                          state.dtype)
         if in_dst:
             engine = self._engine(state, dst)
             bind_shards(engine.model, new)
@@ -285,6 +291,24 @@ class ModelWorker:
         end = time.time()
         return {**stats, "end": end, "seconds": moved.seconds, "bytes_sent": moved.total_sent,
                 "bytes_received": moved.total_received, "local_bytes": moved.local_bytes, "pulled": moved.pulled}
+
+    def rehome(self, role: str, src: Placement, dst: Placement) -> dict[str, Any]:
+        """Make `dst` the home of trained `role` instead of `src` (a re-plan moved its train call):
+        weights and optimizer state move together (actors.worker.rehome; a frozen model moves
+        with `reallocate`). Every rank of both meshes calls it."""
+        state = self._share_role(role, src, dst)
+        union = self._lookup(sorted(set(src.mesh.gpus) | set(dst.mesh.gpus)))
+        stats = move_trained_home(self.rank, state, src, dst, self._plan(state, src, dst), self._groups, union,
+                                  self.device, lambda p: self._engine(state, p))
+        self._sync_engines(state)
+        return {"role": role, **stats}
+
+    def _plan(self, state: RoleState, src: Placement, dst: Placement) -> ReallocPlan:
+        """The reallocation plan of `state`'s model from src to dst (cached: a pure function)."""
+        key = (state.spec, state.critic, src, dst)
+        if key not in self._realloc_plans:
+            self._realloc_plans[key] = plan_reallocation(*key)
+        return self._realloc_plans[key]
 
     def _share_role(self, role: str, src: Placement, dst: Placement) -> RoleState:
         """The role's state; a rank that never loaded it learns its shapes from the first source
@@ -354,7 +378,8 @@ class ModelWorker:
             dp_rank, tp_rank, pp_rank = placement.layout.coords(mesh_rank)
             groups = ParallelGroups(placement.layout, dp_rank, tp_rank, pp_rank, None, None, None, None, None,
                                     (self.rank,), (self.rank,))
-            # A host device: timing must not synchronise the GPU the default group is using.
+            # A host device: timing must not synchronise the GPU the default group is using, and
+            # no memory probe (it may run beside a GPU call, whose peak a reset would spoil).
             ctx = CallContext(call, None, groups, mesh_rank, torch.device("cpu"))
             return timed(CALL_OPS[op], ctx, inputs)
         state = self._role(call.role)
@@ -364,7 +389,7 @@ class ModelWorker:
             raise ValueError(f"call {call.name}: trains {call.role} under {placement.mesh}/{placement.layout}, but its "
                              "optimizer lives on its home placement (load_model's)")
         ctx = CallContext(call, engine, engine.groups, mesh_rank, self.device)
-        meta, data = timed(CALL_OPS[op], ctx, inputs)
+        meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe)
         if call.kind == "train":
             state.copies.after_train()
             self._sync_engines(state)

@@ -1,4 +1,5 @@
-"""Training ops of the model worker: PPO actor and critic, GRPO, ReMax and DPO actors.
+"""Training ops of the model worker: PPO actor and critic, ReMax and DPO actors (the group-based
+outcome algorithms GRPO, RLOO, REINFORCE++, DAPO and GSPO are in actors.worker.outcome_train).
 
 Every rank of the train call's mesh is given every row. It builds the packed batch and the
 advantages of the WHOLE batch identically (a pure function of the rows, so whitening uses
@@ -11,13 +12,22 @@ convention of actors.rl.advantages (entry i is about token i), `mask` [T] marks 
 Hyperparameters come from CallSpec.params (app/algorithms/* fill them; names as in veRL):
 kl_coef, kl_estimator, gamma, lam, whiten, clip_eps, clip_eps_high, dual_clip, value_clip,
 entropy_coef, kl_loss_coef (GRPO), loss_agg, ppo_epochs, ppo_minibatches, shuffle, seed,
-temperature, micro_batches, no_eos_penalty, recompute_logprobs.
+temperature, micro_batches, no_eos_penalty, recompute_logprobs, policy_loss (ppo | gspo),
+rollout_is (token | sequence | None) and rollout_is_threshold.
 
-Old logprobs: with recompute_logprobs (the default), one minibatch and one epoch, the actor
-takes them from its training forward (detached) instead of a separate forward pass over every
-token: that step's weights are the ones the recomputation would use, so the ratios are exactly
-1 and the gradient is the recomputing path's (`reuses_forward_logprobs`). With more minibatches
-or epochs the weights move between steps and the old logprobs are recomputed first.
+Logprobs: `logprobs` are the rollout's (generation time, possibly older weights); the behaviour
+policy of the PPO ratio and of the KL penalty in the reward is `old_logprobs`, the actor's own
+logprobs under its current weights: given by PPO's actor_inf call (both train calls then shape
+the same rewards), otherwise recomputed here under the train layout (recompute_logprobs, the
+default). With an identical actor and reference the KL is then exactly 0. Truncated importance
+weights (actors.rl.importance) correct the policy loss for the gap between the two.
+
+When nothing needs them before the step (no KL penalty in the reward, no importance weights) and
+there is one minibatch and one epoch, the actor takes its old logprobs from its training forward
+(detached) instead of a separate forward pass over every token: that step's weights are the ones
+the recomputation would use, so the ratios are exactly 1 and the gradient is the recomputing
+path's (`reuses_forward_logprobs`). With more minibatches or epochs the weights move between
+steps and the old logprobs are recomputed first.
 """
 
 from __future__ import annotations
@@ -34,11 +44,10 @@ from actors.engine import LossFn, SequenceBatch
 from actors.rl import (
     LossSums,
     aggregate,
-    broadcast_to_tokens,
     combine_losses,
     dpo_loss,
     entropy_term,
-    grpo_outcome_advantages,
+    gspo_policy_loss,
     kl_loss,
     kl_penalty,
     masked_whiten,
@@ -49,7 +58,13 @@ from actors.rl import (
     token_level_rewards,
     value_loss,
 )
-from actors.worker.calls import CallContext, n_micro
+from actors.worker.behaviour import (
+    behaviour_logprobs,
+    importance_weights,
+    logprobs_before_step,
+    reuses_forward_logprobs,
+)
+from actors.worker.calls import CallContext, micro_batching
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
 from actors.worker.guards import check_update
 
@@ -57,8 +72,9 @@ from actors.worker.guards import check_update
 @dataclass(frozen=True)
 class Rollout:
     """The whole batch of one train call, packed. tokens int64 [T]; mask, logprobs (sampling),
-    ref_logprobs, values float32 [T] (zeros where absent); scores float32 [B] (after the no-EOS
-    penalty); cu_seqlens int64 [B+1]."""
+    ref_logprobs, values, old_logprobs (from an actor_inf call) float32 [T] (zeros on prompts);
+    scores float32 [B] (after the no-EOS penalty); cu_seqlens int64 [B+1]; prompt_index int64 [B]
+    (which prompt each row answers) when the generation gave it."""
 
     tokens: Tensor
     lengths: tuple[int, ...]
@@ -70,11 +86,14 @@ class Rollout:
     scores: Tensor
     raw_scores: Tensor
     response_lengths: list[int]
+    old_logprobs: Tensor | None = None
+    prompt_index: Tensor | None = None
 
 
 def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence[str]) -> Rollout:
     """Merge the producer shards of every row into a `Rollout` (keys in `need` are required)."""
-    optional = [k for k in ("ref_logprobs", "values", "no_eos", "greedy_rewards") if k not in need]
+    optional = [k for k in ("ref_logprobs", "values", "no_eos", "greedy_rewards", "old_logprobs", "prompt_index")
+                if k not in need]
     cols = merge_shards(inputs, range(ctx.call.n_rows), ["prompt_ids", "response_ids", "logprobs", "rewards", *need],
                         optional=optional)
     tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
@@ -82,21 +101,28 @@ def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence
     raw = torch.tensor([float(x) for x in cols["rewards"]], dtype=torch.float32)
     penalty = float(ctx.params.get("no_eos_penalty", 0.0))
     no_eos = torch.tensor([float(x) for x in cols.get("no_eos", [False] * len(lengths))])
-    per_token = {k: scatter_responses(cols[k], plens) if k in cols else None for k in ("ref_logprobs", "values")}
+    per_token = {k: scatter_responses(cols[k], plens) if k in cols else None
+                 for k in ("ref_logprobs", "values", "old_logprobs")}
+    index = torch.tensor([int(x) for x in cols["prompt_index"]]) if "prompt_index" in cols else None
     return Rollout(tokens, tuple(lengths), cu_seqlens_of(lengths), mask, scatter_responses(cols["logprobs"], plens),
                    per_token["ref_logprobs"], per_token["values"], raw - penalty * no_eos, raw,
-                   [t.numel() for t in cols["response_ids"]])
+                   [t.numel() for t in cols["response_ids"]], per_token["old_logprobs"], index)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
-def rollout_kl(ctx: CallContext, r: Rollout) -> Tensor | None:
-    """Per-token KL(pi_sampling || pi_ref) [T] on response tokens, or None without ref logprobs."""
+def rollout_kl(ctx: CallContext, r: Rollout, behaviour: Tensor | None = None) -> Tensor | None:
+    """Per-token KL(pi_old || pi_ref) [T] on response tokens, or None without ref logprobs.
+
+    behaviour: the actor's logprobs under its current weights (`behaviour_logprobs`); default the
+    actor_inf call's `old_logprobs`, else the rollout's (recompute_logprobs=False)."""
     if r.ref_logprobs is None:
         return None
-    return kl_penalty(r.logprobs, r.ref_logprobs, str(ctx.params.get("kl_estimator", "k1"))) * r.mask
+    if behaviour is None:
+        behaviour = r.old_logprobs if r.old_logprobs is not None else r.logprobs
+    return kl_penalty(behaviour, r.ref_logprobs, str(ctx.params.get("kl_estimator", "k1"))) * r.mask
 
 
 def rollout_metrics(ctx: CallContext, r: Rollout, kl: Tensor | None) -> dict[str, float]:
@@ -154,11 +180,13 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     """ppo_epochs x ppo_minibatches optimizer steps; metrics averaged over steps as prefix/<name>."""
     engine = ctx.need_engine()
     temperature = float(ctx.params.get("temperature", 1.0))
+    mb = micro_batching(ctx)
     totals: dict[str, float] = {}
     steps, skipped = 0, 0.0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in minibatch_rows(ctx, len(batch.lengths), epoch):
-            metrics = engine.train_step(select_rows(batch, rows), loss_fn, n_micro(ctx), temperature, with_entropy)
+            metrics = engine.train_step(select_rows(batch, rows), loss_fn, mb.n_micro, temperature, with_entropy,
+                                        micro_batch_tokens=mb.tokens)
             skipped += check_update(metrics, ctx.call.name, ctx.call.iteration, ctx.params)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
@@ -173,27 +201,36 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     return out
 
 
+POLICY_LOSSES = ("ppo", "gspo")
+
+
 def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> LossFn:
-    """Clipped PPO surrogate (+ entropy bonus, + GRPO's KL loss) on one micro-batch.
+    """Clipped PPO surrogate, or GSPO's sequence-level one (params['policy_loss']), weighted by the
+    truncated importance weights when given (+ entropy bonus, + a KL loss) on one micro-batch.
 
     old_from_forward: the old logprobs are this forward's own, detached (`reuses_forward_logprobs`),
     so every ratio is exactly 1; the statistic old_logprob_diff then compares them with the
     sampling logprobs (token data "sample_logprobs") as the recomputing path does afterwards.
     """
+    kind = str(params.get("policy_loss", "ppo"))
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"params['policy_loss']={kind!r}: allowed: {', '.join(POLICY_LOSSES)}")
     clip_eps = float(params.get("clip_eps", 0.2))
-    clip_high = params.get("clip_eps_high")
-    dual = params.get("dual_clip")
+    clip_high = None if params.get("clip_eps_high") is None else float(params["clip_eps_high"])
+    dual = None if params.get("dual_clip") is None else float(params["dual_clip"])
     agg = str(params.get("loss_agg", "token-mean"))
     entropy_coef = float(params.get("entropy_coef", 0.0))
     kl_coef = float(params.get("kl_loss_coef", 0.0))
     estimator = str(params.get("kl_loss_estimator", "low_var_kl"))
 
     def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
-        cu, mask = data["cu_seqlens"], data["mask"]
+        cu, mask, weights = data["cu_seqlens"], data["mask"], data.get("is_weights")
         old = logprobs.detach() if old_from_forward else data["old_logprobs"]
-        terms = [(1.0, ppo_policy_loss(logprobs, old, data["advantages"], mask, clip_eps,
-                                       None if clip_high is None else float(clip_high),
-                                       None if dual is None else float(dual), agg, cu))]
+        if kind == "gspo":
+            pg = gspo_policy_loss(logprobs, old, data["advantages"], mask, cu, clip_eps, clip_high, agg, weights)
+        else:
+            pg = ppo_policy_loss(logprobs, old, data["advantages"], mask, clip_eps, clip_high, dual, agg, cu, weights)
+        terms = [(1.0, pg)]
         if entropy_coef > 0:
             terms.append((-entropy_coef, entropy_term(data["entropy"], mask, agg, cu)))
         if kl_coef > 0:
@@ -207,38 +244,24 @@ def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> Lo
     return loss
 
 
-def reuses_forward_logprobs(params: dict[str, Any]) -> bool:
-    """Whether the actor takes its old logprobs from the training forward itself instead of a
-    separate forward pass: with recomputation on, one minibatch and one epoch, the only
-    optimizer step runs its forward on exactly the weights the recomputation would use, so the
-    two are the same numbers (up to float summation order) and the extra pass over every token
-    is wasted work. TRL (num_iterations=1, one step per generation) and veRL do the same."""
-    return (bool(params.get("recompute_logprobs", True)) and int(params.get("ppo_minibatches", 1)) == 1
-            and int(params.get("ppo_epochs", 1)) == 1)
-
-
-def old_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
-    """The behaviour policy's logprobs [T]: recomputed by the actor under the train layout
-    (params['recompute_logprobs'], default True: the first PPO ratio is then exactly 1) or the
-    sampling logprobs from generation."""
-    if not bool(ctx.params.get("recompute_logprobs", True)):
-        return r.logprobs
-    engine = ctx.need_engine()
-    batch = SequenceBatch(r.tokens, r.lengths)
-    temperature = float(ctx.params.get("temperature", 1.0))
-    return engine.forward_logprobs(batch, n_micro(ctx), temperature, gather_dp=True).float().cpu() * r.mask
-
-
-def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float]) -> tuple[dict, None]:
-    """Policy optimisation on `advantages` [T] (shared by PPO, GRPO and ReMax). The old logprobs
-    are recomputed first, or taken from the training forward (`reuses_forward_logprobs`)."""
-    reuse = reuses_forward_logprobs(ctx.params)
+def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[str, float],
+                old: Tensor | None = None) -> tuple[dict, None]:
+    """Policy optimisation on `advantages` [T] (shared by every actor op); old: the behaviour
+    logprobs [T] when the caller already has them (`behaviour_logprobs`). Otherwise they are
+    the actor_inf call's, taken from the training forward (`reuses_forward_logprobs`), or
+    recomputed first."""
+    reuse = (old is None and r.old_logprobs is None and ctx.params.get("rollout_is") is None
+             and reuses_forward_logprobs(ctx.params))
     token_data = {"mask": r.mask, "advantages": advantages * r.mask}
+    is_metrics: dict[str, float] = {}
     if reuse:
         token_data["sample_logprobs"] = r.logprobs
     else:
-        old = old_logprobs(ctx, r)
+        old = behaviour_logprobs(ctx, r) if old is None else old
         token_data["old_logprobs"] = old
+        weights, is_metrics = importance_weights(ctx, r, old)
+        if weights is not None:
+            token_data["is_weights"] = weights
     if r.ref_logprobs is not None:
         token_data["ref_logprobs"] = r.ref_logprobs
     if float(ctx.params.get("kl_loss_coef", 0.0)) > 0 and r.ref_logprobs is None:
@@ -246,9 +269,9 @@ def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[st
     batch = SequenceBatch(r.tokens, r.lengths, token_data)
     with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
     metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params, old_from_forward=reuse), "actor", with_entropy)
-    if not reuse:
+    if old is not None:
         metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
-    return {**extra, **metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None
+    return {**extra, **metrics, **is_metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None
 
 
 def run_ppo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
@@ -276,16 +299,6 @@ def run_ppo_critic(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dic
     return metrics, None
 
 
-def run_grpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
-    """GRPO: group-normalised outcome advantages (rows r of one prompt are consecutive), KL as a
-    loss term (kl_loss_coef) instead of a reward penalty."""
-    r = load_rollout(ctx, inputs, [])
-    group = int(ctx.params.get("group_size", 1))
-    per_seq = grpo_outcome_advantages(r.scores, group, scale_by_std=bool(ctx.params.get("scale_by_std", True)))
-    advantages = broadcast_to_tokens(per_seq, r.mask, r.cu_seqlens)
-    return train_actor(ctx, r, advantages, rollout_metrics(ctx, r, rollout_kl(ctx, r)))
-
-
 def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, None]:
     """ReMax: REINFORCE on KL-shaped rewards with the greedy response's reward as baseline."""
     r = load_rollout(ctx, inputs, ["greedy_rewards"])
@@ -297,7 +310,8 @@ def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     penalty = float(ctx.params.get("no_eos_penalty", 0.0))
     if penalty and "greedy_no_eos" in cols:
         baseline = baseline - penalty * torch.tensor([float(x) for x in cols["greedy_no_eos"]])
-    kl = rollout_kl(ctx, r)
+    old = logprobs_before_step(ctx, r)
+    kl = rollout_kl(ctx, r, old)
     token_rewards = token_level_rewards(r.scores, r.mask, r.cu_seqlens, kl=kl,
                                         kl_coef=float(ctx.params.get("kl_coef", 0.0)))
     advantages, _ = remax_advantages(token_rewards, baseline, r.mask, r.cu_seqlens)
@@ -305,7 +319,7 @@ def run_remax_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
         advantages = masked_whiten(advantages, r.mask, shift_mean=False)
     extra = rollout_metrics(ctx, r, kl)
     extra["rollout/greedy_reward_mean"] = float(raw_baseline.mean())  # unpenalised, like rollout/reward_mean
-    return train_actor(ctx, r, advantages, extra)
+    return train_actor(ctx, r, advantages, extra, old)
 
 
 # ---- DPO ----------------------------------------------------------------------------------------
@@ -352,12 +366,13 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
     batch = load_pairs(ctx, inputs)
     loss_fn = dpo_loss_fn(float(ctx.params.get("beta", 0.1)), float(ctx.params.get("label_smoothing", 0.0)))
     temperature = float(ctx.params.get("temperature", 1.0))
+    mb = micro_batching(ctx)
     totals: dict[str, float] = {}
     steps, skipped = 0, 0.0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in pair_minibatches(ctx, len(batch.lengths) // 2, epoch):
             minibatch = replace(select_rows(batch, rows), group_size=2)
-            step_metrics = engine.train_step(minibatch, loss_fn, n_micro(ctx), temperature)
+            step_metrics = engine.train_step(minibatch, loss_fn, mb.n_micro, temperature, micro_batch_tokens=mb.tokens)
             skipped += check_update(step_metrics, ctx.call.name, ctx.call.iteration, ctx.params)
             for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
@@ -372,8 +387,8 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
 
 
 __all__ = [
-    "Rollout", "load_rollout", "minibatch_rows", "policy_loss_fn", "ppo_returns", "reuses_forward_logprobs",
-    "rollout_metrics",
-    "run_grpo_actor", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
+    "POLICY_LOSSES", "Rollout", "load_rollout", "masked_mean", "minibatch_rows", "policy_loss_fn", "ppo_returns",
+    "rollout_kl", "rollout_metrics", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
+    "train_actor",
     "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",
 ]

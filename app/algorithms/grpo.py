@@ -1,12 +1,13 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): `group_size` samples per prompt, group-normalised outcome
 rewards as advantages, no critic, KL to the reference as a loss term instead of a reward penalty.
 
-Calls of `planning.dataflow.grpo_graph` (every call sees n_prompts x group_size rows; row r
-answers prompt r // group_size, so a group's rows are consecutive):
+Calls of `planning.dataflow.grpo_graph` (every call sees n_prompts x group_size rows; the generate
+op writes prompt_index = r // group_size for row r, and the actor groups rows by it, checking that
+each prompt has exactly group_size of them):
 
   actor_gen    generate (n_samples = group_size)      -> prompt_ids, response_ids, logprobs, ...
   rew_inf      rule_reward / model_reward             -> rewards
-  ref_inf      logprobs                               -> ref_logprobs
+  ref_inf      logprobs (pruned with kl_loss_coef 0)  -> ref_logprobs
   actor_train  grpo_actor: A_i = (s_i - mean_group) / (std_group + eps) on every response token
                (Dr. GRPO without the division: scale_by_std=False), clipped surrogate plus
                kl_loss_coef * KL(pi || pi_ref) (low-variance k3 estimator by default).

@@ -10,12 +10,14 @@ Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it pr
                model_reward  rewards: the reward model's scalar head at the last token
   ref_inf      logprobs      ref_logprobs per response token (at the sampling temperature)
   critic_inf   values        values: V(state before each response token)
-  actor_train  ppo_actor     KL-shaped rewards (kl_coef * k1/k2/k3 estimate, fixed or adaptive
-                             coefficient), GAE with the critic's values, advantage whitening, then
-                             ppo_epochs x ppo_minibatches steps of the clipped surrogate
-                             (actors.rl.losses.ppo_policy_loss, + entropy bonus) on logprobs recomputed
-                             under the train layout; metrics actor/pg_loss, actor/pg_clipfrac,
-                             actor/ppo_kl, actor/kl, actor/grad_norm, actor/lr, rollout/*
+  actor_inf    logprobs      old_logprobs: the actor's own logprobs of the rollout under its current
+                             weights (the behaviour policy of the ratio and of the KL penalty)
+  actor_train  ppo_actor     KL-shaped rewards (kl_coef * k1/k2/k3 estimate of old vs ref, fixed or
+                             adaptive coefficient), GAE with the critic's values, advantage whitening,
+                             then ppo_epochs x ppo_minibatches steps of the clipped surrogate
+                             (actors.rl.losses.ppo_policy_loss, + entropy bonus, x truncated importance
+                             weights with rollout_is); metrics actor/pg_loss, actor/pg_clipfrac,
+                             actor/ppo_kl, actor/kl, actor/grad_norm, actor/lr, actor/rollout_is_*, rollout/*
   critic_train ppo_critic    the same GAE returns; clipped value loss (actors.rl.losses.value_loss);
                              metrics critic/vf_loss, critic/vf_clipfrac, critic/grad_norm
 """
@@ -38,6 +40,7 @@ OUTPUT_KEYS: dict[str, tuple[str, ...]] = {
 }
 KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+IS_LEVELS = ("token", "sequence")
 
 
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -112,6 +115,8 @@ class PPOHyperparams:
     seed: int = 0
     no_eos_penalty: float = 0.0
     recompute_logprobs: bool = True
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
     micro_batches: int | None = None
 
     def __post_init__(self) -> None:
@@ -128,6 +133,12 @@ class PPOHyperparams:
         _check(self.ppo_epochs >= 1, "batch.ppo_epochs", self.ppo_epochs, "must be >= 1")
         _check(self.ppo_minibatches >= 1, "batch.ppo_minibatches", self.ppo_minibatches, "must be >= 1")
         _check(self.micro_batches is None or self.micro_batches >= 1, "micro_batches", self.micro_batches, "must be >= 1")
+        _check(self.no_eos_penalty >= 0, "ppo.no_eos_penalty", self.no_eos_penalty, "must be >= 0")
+        _check(self.rollout_is is None or self.rollout_is in IS_LEVELS, "ppo.rollout_is", self.rollout_is,
+               f"allowed: {', '.join(IS_LEVELS)} or None")
+        _check(self.rollout_is_threshold >= 1, "ppo.rollout_is_threshold", self.rollout_is_threshold, "must be >= 1")
+        _check(self.rollout_is is None or self.recompute_logprobs, "ppo.rollout_is", self.rollout_is,
+               "None when recompute_logprobs is False")
 
     def shared_train_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
         """Params both train calls read (they compute the same advantages and returns)."""
@@ -142,19 +153,21 @@ class PPOHyperparams:
     def actor_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
         return {**self.shared_train_params(kl_coef, temperature), "op": "ppo_actor", "clip_eps": self.clip_eps,
                 "clip_eps_high": self.clip_eps_high, "dual_clip": self.dual_clip,
-                "entropy_coef": self.entropy_coef, "recompute_logprobs": self.recompute_logprobs}
+                "entropy_coef": self.entropy_coef, "recompute_logprobs": self.recompute_logprobs,
+                "rollout_is": self.rollout_is, "rollout_is_threshold": self.rollout_is_threshold}
 
     def critic_params(self, kl_coef: float, temperature: float) -> dict[str, Any]:
         return {**self.shared_train_params(kl_coef, temperature), "op": "ppo_critic", "value_clip": self.value_clip}
 
 
 def inference_params(mfc: MFC, rollout: RolloutSettings) -> dict[str, Any]:
-    """ref/actor logprobs, critic values or the reward call (rule or model)."""
+    """ref logprobs, the actor's own (old_logprobs), critic values or the reward call (rule or model)."""
     if mfc.role == "reward":
         return rollout.reward_params()
     if mfc.role == "critic":
         return {"op": "values"}
-    return {"op": "logprobs", "temperature": rollout.logprob_temperature, "out_key": "ref_logprobs"}
+    out_key = "old_logprobs" if mfc.role == "actor" else "ref_logprobs"
+    return {"op": "logprobs", "temperature": rollout.logprob_temperature, "out_key": out_key}
 
 
 def call_params(mfc: MFC, rollout: RolloutSettings, hp: PPOHyperparams, kl_coef: float) -> dict[str, Any]:
@@ -170,5 +183,5 @@ def call_params(mfc: MFC, rollout: RolloutSettings, hp: PPOHyperparams, kl_coef:
     return hp.actor_params(kl_coef, rollout.logprob_temperature)
 
 
-__all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "OUTPUT_KEYS", "PPOHyperparams", "RolloutSettings", "call_params",
+__all__ = ["IS_LEVELS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "OUTPUT_KEYS", "PPOHyperparams", "RolloutSettings", "call_params",
            "inference_params"]

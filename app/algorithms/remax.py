@@ -6,8 +6,10 @@ Calls of `planning.dataflow.remax_graph`:
   greedy_gen      generate (greedy, out_prefix greedy_)   -> greedy_prompt_ids, greedy_response_ids, ...
   rew_inf         reward of the sampled responses         -> rewards
   greedy_rew_inf  reward of the greedy responses          -> greedy_rewards
-  actor_train     remax_actor: per-token rewards (score at the last token, minus kl_coef * KL
-                  when a ref call exists), reward-to-go minus the greedy score, clipped surrogate.
+  ref_inf         the reference's logprobs (only when ppo.kl_coef > 0) -> ref_logprobs
+  actor_train     remax_actor: per-token rewards (score at the last token, minus kl_coef * KL of the
+                  actor's recomputed logprobs against the ref), reward-to-go minus the greedy score,
+                  clipped surrogate.
 """
 
 from __future__ import annotations

@@ -11,24 +11,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.algorithms import dpo, grpo, ppo, remax
+from app.algorithms import dpo, grpo, outcome, ppo, remax
 from app.algorithms.dpo import DPOHyperparams
 from app.algorithms.grpo import GRPOHyperparams
+from app.algorithms.outcome import OUTCOME_RUNTIME, OutcomeHyperparams
 from app.algorithms.ppo import PPOHyperparams, RolloutSettings
+from app.config import DAPO_CLIP_EPS_HIGH, rollout_is_level, samples_per_prompt
 from planning.dataflow import MFC
 
-RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo")
+RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo", *OUTCOME_RUNTIME)
 
 
 @dataclass(frozen=True)
 class AlgorithmSettings:
-    """Everything the calls of one algorithm need besides the per-iteration KL coefficient."""
+    """Everything the calls of one algorithm need besides the per-iteration KL coefficient.
+
+    dynamic_sampling_rounds: DAPO's dynamic sampling, at most this many generation rounds per
+    iteration (app.run.dynamic_sampling); None: off."""
 
     algorithm: str
     rollout: RolloutSettings
     ppo: PPOHyperparams
     grpo: GRPOHyperparams | None = None
     dpo: DPOHyperparams | None = None
+    outcome: OutcomeHyperparams | None = None
+    dynamic_sampling_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in RUNTIME_ALGORITHMS:
@@ -37,6 +44,8 @@ class AlgorithmSettings:
             raise ValueError("algorithm='grpo': settings.grpo (GRPOHyperparams) is required")
         if self.algorithm == "dpo" and self.dpo is None:
             raise ValueError("algorithm='dpo': settings.dpo (DPOHyperparams) is required")
+        if self.algorithm in OUTCOME_RUNTIME and (self.outcome is None or self.outcome.algorithm != self.algorithm):
+            raise ValueError(f"algorithm={self.algorithm!r}: settings.outcome (OutcomeHyperparams of it) is required")
 
 
 def call_params(settings: AlgorithmSettings, mfc: MFC, kl_coef: float) -> dict[str, Any]:
@@ -49,6 +58,8 @@ def call_params(settings: AlgorithmSettings, mfc: MFC, kl_coef: float) -> dict[s
     if settings.algorithm == "dpo":
         assert settings.dpo is not None
         return dpo.call_params(mfc, settings.dpo)
+    if settings.outcome is not None:
+        return outcome.call_params(mfc, settings.rollout, settings.ppo, settings.outcome, kl_coef)
     return remax.call_params(mfc, settings.rollout, settings.ppo, kl_coef)
 
 
@@ -62,9 +73,15 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     rollout = RolloutSettings(max_new_tokens=b.gen_len, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               seed=cfg.run.seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile)
+    clip_high = p.clip_eps_high
+    if clip_high is None and cfg.algorithm == "dapo":
+        clip_high = DAPO_CLIP_EPS_HIGH  # DAPO's clip-higher unless set
     hp = PPOHyperparams(kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam, clip_eps=p.clip_eps,
-                        value_clip=p.value_clip_eps, whiten=p.adv_norm, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
-                        ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed)
+                        clip_eps_high=clip_high, dual_clip=p.dual_clip, value_clip=p.value_clip_eps, whiten=p.adv_norm,
+                        entropy_coef=p.entropy_coef, loss_agg=p.loss_agg, ppo_epochs=b.ppo_epochs,
+                        ppo_minibatches=b.ppo_minibatches, seed=cfg.run.seed, no_eos_penalty=p.no_eos_penalty,
+                        recompute_logprobs=p.recompute_logprobs, rollout_is=rollout_is_level(cfg),
+                        rollout_is_threshold=p.rollout_is_threshold)
     group = None
     if cfg.algorithm == "grpo":
         g = cfg.grpo
@@ -74,7 +91,20 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     if cfg.algorithm == "dpo":
         pairs = DPOHyperparams(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing, epochs=b.ppo_epochs,
                                minibatches=b.ppo_minibatches, seed=cfg.run.seed)
-    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs)
+    rounds = cfg.dapo.max_gen_rounds if cfg.algorithm == "dapo" and cfg.dapo.dynamic_sampling else None
+    return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs, outcome_settings(cfg), rounds)
 
 
-__all__ = ["AlgorithmSettings", "RUNTIME_ALGORITHMS", "call_params", "settings_from_config"]
+def outcome_settings(cfg: Any) -> OutcomeHyperparams | None:
+    """The OutcomeHyperparams of an outcome algorithm's config (None for the others)."""
+    if cfg.algorithm not in OUTCOME_RUNTIME:
+        return None
+    g, d = cfg.grpo, cfg.dapo
+    kl_loss = g.kl_loss_coef if cfg.algorithm in ("dapo", "gspo") else 0.0
+    clip = (cfg.gspo.clip_eps, cfg.gspo.clip_eps_high) if cfg.algorithm == "gspo" else (None, None)
+    overlong = (d.overlong_buffer, d.overlong_penalty) if cfg.algorithm == "dapo" else (0, 1.0)
+    return OutcomeHyperparams(cfg.algorithm, samples_per_prompt(cfg), kl_loss, g.kl_loss_estimator, g.scale_by_std,
+                              clip[0], clip[1], overlong[0], overlong[1])
+
+
+__all__ = ["AlgorithmSettings", "RUNTIME_ALGORITHMS", "call_params", "outcome_settings", "settings_from_config"]

@@ -18,12 +18,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.config.checks import check_training_fields
 from app.config.files import load_yaml, read_utf8
 from app.config.sections import (
     CheckpointConfig,
+    DAPOConfig,
     DataConfig,
     DPOConfig,
     GRPOConfig,
+    GSPOConfig,
     PPOConfig,
     RewardConfig,
     SamplingConfig,
@@ -120,10 +123,14 @@ class ClusterConfig(_Section):
 
 
 class ManualPlacement(_Section):
-    """A call's placement written by hand: mesh like 'n0:g0-3', layout like 'dp2tp2pp1'."""
+    """A call's placement written by hand: mesh like 'n0:g0-3', layout like 'dp2tp2pp1'; and,
+    optionally, how it runs: micro_batch_tokens (inference and train calls: tokens per
+    micro-batch of each dp share) or gen_rounds (generate calls). Unset: the cost model picks."""
 
     mesh: str
     layout: str
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    gen_rounds: int | None = Field(None, ge=1)
 
     @field_validator("layout")
     @classmethod
@@ -136,13 +143,24 @@ class ManualPlacement(_Section):
 
 
 class PlanConfig(_Section):
-    """How to choose the plan: MCMC search, exhaustive, the heuristic, or `manual` placements."""
+    """How to choose the plan: MCMC search, exhaustive, the heuristic, or `manual` placements.
+
+    memory_margin: fraction of each GPU's memory a plan must leave free (the search keeps it; a
+    manual plan that does not is refused before any call, and a call whose measured peak exceeds
+    its estimate by more than this fraction is a warning). recalibrate_after: after this many
+    iterations, fit the cost model to the run's own call times and memory and search again from
+    the current plan (None: never); the run switches when the new plan is estimated at least
+    switch_gain (a fraction) faster, moving every model between two iterations.
+    """
 
     mode: Literal["search", "exhaustive", "heuristic", "manual"] = "search"
     seconds: float = Field(60.0, gt=0, le=MAX_PLAN_SECONDS)
     seed: int = 0
     profile: str | None = None
     manual: dict[str, ManualPlacement] | None = None
+    memory_margin: float = Field(0.1, ge=0.0, lt=1.0)
+    recalibrate_after: int | None = Field(None, ge=1)
+    switch_gain: float = Field(0.05, ge=0.0, lt=1.0)
 
 
 class RunConfig(_Section):
@@ -158,6 +176,8 @@ class RunConfig(_Section):
     checkpoint) before the run fails. on_nonfinite: "stop" ends the run at a NaN/inf reward,
     loss or gradient norm, naming it; "skip" skips that update and counts it
     (<role>/skipped_updates).
+    max_staleness: k; generation of iteration i + k + 1 starts from the weights after training
+    iteration i (0: on-policy), so generation may run beside training (app.run.staleness).
     """
 
     name: str = "realray"
@@ -169,12 +189,14 @@ class RunConfig(_Section):
     resume: str | None = None
     max_restarts: int = Field(3, ge=0)
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_staleness: int = Field(0, ge=0)
 
 
 class ExperimentConfig(_Section):
     """A whole experiment: the planning sections, then the ones only training reads (app.config.sections)."""
 
-    algorithm: Literal["ppo", "grpo", "dpo", "remax"] = "ppo"
+    algorithm: Literal["ppo", "grpo", "dpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo",
+                       "gspo"] = "ppo"
     models: ModelsConfig
     batch: BatchConfig = BatchConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -185,6 +207,8 @@ class ExperimentConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    dapo: DAPOConfig = DAPOConfig()
+    gspo: GSPOConfig = GSPOConfig()
     dpo: DPOConfig = DPOConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -299,11 +323,4 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError("plan.manual", cfg.plan.manual, "placements for every call when plan.mode is 'manual'")
     if cfg.plan.profile is not None and not Path(cfg.plan.profile).is_file():
         raise ConfigError("plan.profile", cfg.plan.profile, "an existing profile JSON file (python -m app profile)")
-    if cfg.algorithm == "grpo" and "kl_coef" in cfg.ppo.model_fields_set and cfg.ppo.kl_coef != 0:
-        # GRPO puts no KL penalty into the rewards: a non-zero ppo.kl_coef would be ignored silently.
-        raise ConfigError("ppo.kl_coef", cfg.ppo.kl_coef, "unset or 0 for GRPO, whose KL is a loss term: set "
-                          "grpo.kl_loss_coef (default 0.001) instead")
-    seqs = cfg.batch.prompts * (cfg.batch.group_size if cfg.algorithm == "grpo" else 1)
-    if cfg.algorithm in ("ppo", "grpo") and seqs % cfg.batch.ppo_minibatches:
-        raise ConfigError("batch.ppo_minibatches", cfg.batch.ppo_minibatches,
-                          f"a divisor of the {seqs} sequences per iteration")
+    check_training_fields(cfg)  # the algorithm sections: app.config.checks

@@ -9,14 +9,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
-from planning.dataflow import BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, prune_graph, remax_graph
+from planning.dataflow import (
+    OUTCOME_ALGORITHMS,
+    BatchShape,
+    Graph,
+    dpo_graph,
+    outcome_graph,
+    ppo_graph,
+    prune_graph,
+    remax_graph,
+    with_staleness,
+)
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
-from planning.plan import ExecutionPlan, Placement
+from planning.plan import CallExecution, ExecutionPlan, Placement
 from planning.search import EXHAUSTIVE_LIMIT
 
 # Bytes per parameter that must live somewhere in the cluster: bf16 weights (2) for every model;
@@ -30,9 +41,9 @@ def algorithm_graph(cfg: ExperimentConfig) -> Graph:
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
     if cfg.algorithm == "ppo":
-        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs)
-    if cfg.algorithm == "grpo":
-        return grpo_graph(shape, b.group_size, b.ppo_minibatches)
+        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
+    if cfg.algorithm in OUTCOME_ALGORITHMS:
+        return outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, generation_rounds(cfg))
     if cfg.algorithm == "dpo":
         return dpo_graph(shape)
     return remax_graph(shape)
@@ -40,22 +51,19 @@ def algorithm_graph(cfg: ExperimentConfig) -> Graph:
 
 def build_graph(cfg: ExperimentConfig) -> Graph:
     """The graph that runs: `algorithm_graph` without the calls whose outputs no loss reads under
-    this config (`unread_keys`). The planner and the driver both get this graph, so a dropped
-    call is neither planned, loaded nor run."""
-    return prune_graph(algorithm_graph(cfg), unread_keys(cfg))
+    this config (`unread_keys`), with run.max_staleness. The planner and the driver both get this
+    graph, so a dropped call is neither planned, loaded nor run."""
+    return with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
 
 
 def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
     """Data keys that no loss reads under this config: the reference logprobs when the
-    algorithm's KL term is off (GRPO: grpo.kl_loss_coef = 0, its reward carries no KL penalty;
-    ReMax: ppo.kl_coef = 0). Their only other reader, the actor/kl metric, then goes too, as
-    in TRL with beta = 0. PPO keeps its reference: actor/kl is its KL monitor and the adaptive
-    controller's input. DPO's loss always reads it."""
-    if cfg.algorithm == "grpo" and cfg.grpo.kl_loss_coef == 0:
-        return ("ref_logprobs",)
-    if cfg.algorithm == "remax" and cfg.ppo.kl_coef == 0:
-        return ("ref_logprobs",)
-    return ()
+    algorithm's KL term is off (`app.config.checks.uses_ref`: grpo, dapo, gspo with
+    grpo.kl_loss_coef = 0; remax, rloo, reinforce_pp(_baseline) with ppo.kl_coef = 0). Their only
+    other reader, the actor/kl metric, then goes too, as in TRL with beta = 0. PPO keeps its
+    reference: actor/kl is its KL monitor and the adaptive controller's input. DPO's loss always
+    reads it."""
+    return () if uses_ref(cfg) else ("ref_logprobs",)
 
 
 def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
@@ -78,6 +86,9 @@ def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
         block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
         if not isinstance(block, dict):
             raise ValueError(f"'efficiency' is a {type(block).__name__}, not an object")
+        above = {k: v for k, v in block.items() if isinstance(v, (int, float)) and v > 1.0}
+        if above:  # a profile measures fractions of its own peaks (only a run's calibration exceeds 1)
+            raise ValueError(f"factors above 1: {above}")
         return OpEfficiency.from_dict(block)
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError("plan.profile", cfg.plan.profile,
@@ -122,7 +133,8 @@ def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
             raise ConfigError("batch.gen_len", cfg.batch.gen_len,
                               f"prompt_len + gen_len <= {spec.max_position_embeddings} (max positions of {field})")
         models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
-    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg))
+    problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg),
+                              memory_margin=cfg.plan.memory_margin)
     check_cluster_memory(cfg, problem)
     return problem
 
@@ -157,15 +169,37 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
         if name not in calls and name not in pruned:
             raise ConfigError(f"plan.manual.{name}", name, f"a call of the {cfg.algorithm} graph: {', '.join(calls)}",
                               problem="unknown call")
-    missing = [name for name in calls if name not in cfg.plan.manual]
+    # A call with a placement default (PPO's actor_inf: where the actor trains) may be left out.
+    given = {name: cfg.plan.manual.get(name) or cfg.plan.manual.get(problem.graph.placement_default(name) or "")
+             for name in calls}
+    missing = [name for name in calls if given[name] is None]
     if missing:
         raise ConfigError("plan.manual", sorted(cfg.plan.manual),
                           f"a placement for every call; missing {', '.join(missing)}", problem="incomplete")
-    placements = {}
+    placements, executions = {}, {}
     for mfc in problem.graph.mfcs:
-        placements[mfc.name] = _manual_placement(mfc.name, cfg.plan.manual[mfc.name], problem.models[mfc.role].spec,
-                                                 problem.cluster)
-    return ExecutionPlan.from_dict(placements)
+        entry = given[mfc.name]
+        assert entry is not None  # `missing` above
+        placements[mfc.name] = _manual_placement(mfc.name, entry, problem.models[mfc.role].spec, problem.cluster)
+        execution = _manual_execution(mfc.name, mfc.kind, entry)
+        if execution is not None:
+            executions[mfc.name] = execution
+    return ExecutionPlan.from_dict(placements, executions)
+
+
+def _manual_execution(name: str, kind: str, given: ManualPlacement) -> CallExecution | None:
+    """The call's micro_batch_tokens / gen_rounds, when set; the one that does not fit the call's
+    kind is a ConfigError."""
+    field = f"plan.manual.{name}"
+    if kind == "generate" and given.micro_batch_tokens is not None:
+        raise ConfigError(f"{field}.micro_batch_tokens", given.micro_batch_tokens,
+                          f"unset for {name}, a generate call (it takes gen_rounds)")
+    if kind != "generate" and given.gen_rounds is not None:
+        raise ConfigError(f"{field}.gen_rounds", given.gen_rounds,
+                          f"unset for {name}, a {kind} call (it takes micro_batch_tokens)")
+    if given.micro_batch_tokens is None and given.gen_rounds is None:
+        return None
+    return CallExecution(given.micro_batch_tokens, given.gen_rounds)
 
 
 def _manual_placement(name: str, given: ManualPlacement, spec: ModelSpec, cluster: ClusterSpec) -> Placement:

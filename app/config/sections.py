@@ -67,11 +67,20 @@ class SamplingConfig(TrainSection):
 
 
 class PPOConfig(TrainSection):
-    """PPO hyperparameters (minibatches and epochs are batch.ppo_minibatches / batch.ppo_epochs).
+    """PPO hyperparameters (minibatches and epochs are batch.ppo_minibatches / batch.ppo_epochs);
+    every algorithm that generates reads its policy-loss knobs.
 
     kl_coef: weight of the KL penalty folded into the rewards; kl_controller adaptive adjusts it
-    towards kl_target over kl_horizon sequences (Ziegler et al.). gamma / lam: GAE.
-    clip_eps / value_clip_eps: PPO ratio and value clipping. adv_norm: whiten advantages.
+    towards kl_target, a per-token KL (actor/kl is a per-token mean; veRL's 0.1), over kl_horizon
+    sequences (Ziegler et al.). gamma / lam: GAE. clip_eps / value_clip_eps: PPO ratio and value
+    clipping; clip_eps_high: DAPO's clip-higher upper bound (null: clip_eps; 0.28 for dapo);
+    dual_clip: cap on the loss of negative advantages (> 1, null: off). adv_norm: whiten
+    advantages. entropy_coef: entropy bonus. no_eos_penalty: subtracted from the score of a
+    response cut at batch.gen_len. recompute_logprobs: the behaviour policy is the actor's own
+    logprobs under its current weights (PPO's actor_inf call), not the generation's.
+    rollout_is: truncated importance weights for the gap between the rollout's logprobs and those
+    (token | sequence | none; auto: token when run.max_staleness > 0, else none), truncated at
+    rollout_is_threshold.
     """
 
     actor_lr: float = Field(1e-5, gt=0.0, le=1.0)
@@ -81,7 +90,7 @@ class PPOConfig(TrainSection):
     warmup_steps: int = Field(0, ge=0)
     kl_coef: float = Field(0.05, ge=0.0)
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    kl_target: float = Field(6.0, gt=0.0)
+    kl_target: float = Field(0.1, gt=0.0)
     kl_horizon: int = Field(10000, ge=1)
     kl_estimator: KLEstimator = "k1"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -90,6 +99,13 @@ class PPOConfig(TrainSection):
     value_clip_eps: float = Field(0.2, gt=0.0)
     adv_norm: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    clip_eps_high: float | None = Field(None, gt=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    no_eos_penalty: float = Field(0.0, ge=0.0)
+    recompute_logprobs: bool = True
+    rollout_is: Literal["auto", "none", "token", "sequence"] = "auto"
+    rollout_is_threshold: float = Field(2.0, ge=1.0)
 
 
 class GRPOConfig(TrainSection):
@@ -102,6 +118,31 @@ class GRPOConfig(TrainSection):
     kl_loss_coef: float = Field(0.001, ge=0.0)
     kl_loss_estimator: KLEstimator = "low_var_kl"
     scale_by_std: bool = True
+
+
+class DAPOConfig(TrainSection):
+    """DAPO (algorithm: dapo, Yu et al. 2025): GRPO advantages with clip-higher
+    (ppo.clip_eps_high, 0.28 unless set), the token-mean loss (ppo.loss_agg), overlong shaping and
+    dynamic sampling. overlong_buffer: the last tokens before batch.gen_len over which the score
+    falls linearly by up to overlong_penalty (0: off). dynamic_sampling: drop groups whose rewards
+    are all equal and generate more prompts until batch.prompts groups remain, at most
+    max_gen_rounds rounds (then the batch is filled with dropped groups); the planner charges
+    generation 1 / (1 - expected_drop_rate) rounds. Its KL is grpo.kl_loss_coef (DAPO: 0)."""
+
+    overlong_buffer: int = Field(0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    dynamic_sampling: bool = True
+    max_gen_rounds: int = Field(4, ge=1)
+    expected_drop_rate: float = Field(0.3, ge=0.0, lt=1.0)
+
+
+class GSPOConfig(TrainSection):
+    """GSPO (algorithm: gspo, Zheng et al. 2025): GRPO advantages, one importance ratio per
+    sequence (the mean token log-ratio) clipped to [1 - clip_eps, 1 + clip_eps_high]; these ranges
+    replace ppo.clip_eps for GSPO. Its KL is grpo.kl_loss_coef."""
+
+    clip_eps: float = Field(3e-4, gt=0.0)
+    clip_eps_high: float = Field(4e-4, gt=0.0)
 
 
 class DPOConfig(TrainSection):
@@ -137,6 +178,6 @@ class CheckpointConfig(TrainSection):
 
 
 __all__ = [
-    "CheckpointConfig", "DPOConfig", "DataConfig", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "PPOConfig",
-    "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
+    "CheckpointConfig", "DAPOConfig", "DPOConfig", "DataConfig", "GSPOConfig", "KL_CONTROLLERS", "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS", "PPOConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
 ]

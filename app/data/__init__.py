@@ -9,7 +9,6 @@ May import planning and app.config (no torch at import time). In dependency orde
 
 from __future__ import annotations
 
-from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
 from app.data.datasets import (
     BatchIterator,
     IteratorState,
@@ -24,6 +23,7 @@ from app.data.datasets import (
 )
 from app.data.gsm8k import GSM8K_INSTRUCTION, final_answer, prepare_gsm8k
 from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
+from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
 
 __all__ = [
     # toy_task.py

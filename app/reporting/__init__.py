@@ -2,7 +2,8 @@
 
 May import planning (no torch or ray). In dependency order:
   report    the planner's per-call table, its JSON form and Gantt charts of simulated iterations
-  timeline  measured records of every call and reallocation, and the metrics derived from them
+  timeline  measured records of every call and reallocation (time, peak memory, the estimates),
+            and the metrics derived from them
   tracking  the console progress line, `metrics.jsonl` and Weights & Biases
   curves    training curves of a run (reward, length, KL, losses, call times) in one PNG, and a summary
   samples   a few decoded rollouts per iteration with their rewards (`samples.jsonl`)
@@ -23,8 +24,12 @@ from app.reporting.report import (
 )
 from app.reporting.samples import append_samples, read_samples, rollout_samples
 from app.reporting.timeline import (
+    CallEstimate,
     TimelineRecord,
     append_records,
+    call_estimates,
+    fidelity_metrics,
+    memory_overruns,
     realloc_metrics,
     records_of,
     rollout_metrics,
@@ -40,8 +45,9 @@ __all__ = [
     # report.py
     "PlanReport", "draw_gantt", "format_plan_table", "plan_json", "plan_report", "simulated_bars",
     # timeline.py
-    "TimelineRecord", "append_records", "realloc_metrics", "records_of", "rollout_metrics", "span",
-    "throughput", "timing_metrics", "timing_table", "write_gantt",
+    "CallEstimate", "TimelineRecord", "append_records", "call_estimates", "fidelity_metrics", "memory_overruns",
+    "realloc_metrics", "records_of", "rollout_metrics", "span", "throughput", "timing_metrics", "timing_table",
+    "write_gantt",
     # tracking.py
     "Tracker",
     # curves.py

@@ -1,7 +1,7 @@
 """What the planner reports to people: the per-call plan table, its JSON form and Gantt charts.
 
-`plan_report` collects, for a chosen plan, each call's placement and estimated time and memory
-into a frozen `PlanReport`; `format_plan_table` and `plan_json` render it for the terminal and
+`plan_report` collects, for a chosen plan, each call's placement, how it runs (micro-batch token
+budget and count, or generation rounds) and its estimated time and memory into a frozen `PlanReport`; `format_plan_table` and `plan_json` render it for the terminal and
 for machines. `draw_gantt` draws any list of `GanttBar`s (one row per GPU), so the same function
 draws the simulator's estimated timeline (`simulated_bars`) and, later, measured timelines.
 """
@@ -37,6 +37,19 @@ class CallRow:
     est_mem_gib: float
     feasible: bool
     reason: str = ""
+    micro_batch_tokens: int | None = None  # inference / train: tokens per micro-batch
+    micro_batches: int | None = None  # ... and how many per dp replica (and minibatch) at full length
+    gen_rounds: int | None = None  # generate: rounds per dp replica
+    est_peak_gib: float = math.nan  # the fullest GPU of the mesh while the call runs (resident + call)
+
+    @property
+    def runs_as(self) -> str:
+        """'4 x 16384 tok', '2 rounds' or '' (for tables)."""
+        if self.gen_rounds is not None:
+            return f"{self.gen_rounds} round{'s' if self.gen_rounds > 1 else ''}"
+        if self.micro_batch_tokens is not None:
+            return f"{self.micro_batches or '?'} x {self.micro_batch_tokens} tok"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -53,12 +66,23 @@ class PlanReport:
     evaluated_plans: int
     peak_mem_gib: float  # fullest GPU over the simulated iterations: resident weights + largest transient
     gpu_mem_gib: float  # usable memory of one GPU
+    memory_margin: float = 0.0  # fraction of gpu_mem_gib the plan keeps free
+    max_staleness: int = 0  # run.max_staleness of the graph planned
+    on_policy_iteration_s: float | None = None  # with max_staleness > 0: the best plan's estimate at k = 0
 
     @property
     def speedup(self) -> float:
         """baseline / chosen iteration time; nan when either is not a finite positive time."""
         if _finite(self.baseline_iteration_s) and _finite(self.est_iteration_s) and self.est_iteration_s > 0:
             return self.baseline_iteration_s / self.est_iteration_s
+        return math.nan
+
+    @property
+    def staleness_speedup(self) -> float:
+        """on-policy (k = 0) / bounded-staleness estimate; nan without both."""
+        on_policy = self.on_policy_iteration_s
+        if on_policy is not None and _finite(on_policy) and _finite(self.est_iteration_s) and self.est_iteration_s > 0:
+            return on_policy / self.est_iteration_s
         return math.nan
 
 
@@ -83,16 +107,24 @@ def plan_report(
     baseline_iteration_s: float,
     search_s: float,
     evaluated_plans: int,
+    on_policy_iteration_s: float | None = None,
 ) -> PlanReport:
-    """Rows of `plan` in graph order, each with call_cost's time and memory estimate; the peak
-    memory comes from `sim`, the simulation of `plan`."""
+    """Rows of `plan` in graph order, each with call_cost's time and memory estimate at the
+    execution the plan gives it (the simulator's choice where it names none); the peaks come
+    from `sim`, the simulation of `plan`. on_policy_iteration_s: with bounded staleness, the
+    estimate of the best on-policy plan beside it."""
     rows = []
     for mfc in problem.graph.mfcs:
         placement = plan[mfc.name]
-        cost = call_cost(problem, mfc, placement)
+        execution = plan.execution(mfc.name) or sim.executions.get(mfc.name)
+        cost = call_cost(problem, mfc, placement, execution=execution)
         layout = placement.layout
+        micro = cost.breakdown.get("micro_batches")
         rows.append(CallRow(mfc.name, mfc.role, mfc.kind, str(placement.mesh), layout.dp, layout.tp, layout.pp,
-                            cost.time_s, cost.mem_bytes / GiB, cost.feasible, cost.reason))
+                            cost.time_s, cost.mem_bytes / GiB, cost.feasible, cost.reason,
+                            execution.micro_batch_tokens if execution else None, int(micro) if micro else None,
+                            execution.gen_rounds if execution else None,
+                            sim.call_mem_bytes.get(mfc.name, math.nan) / GiB))
     c = problem.cluster
     return PlanReport(
         algorithm=problem.graph.algorithm,
@@ -105,20 +137,24 @@ def plan_report(
         evaluated_plans=evaluated_plans,
         peak_mem_gib=max(sim.peak_mem_bytes.values(), default=0.0) / GiB,
         gpu_mem_gib=c.hardware.mem_bytes / GiB,
+        memory_margin=problem.memory_margin,
+        max_staleness=problem.graph.max_staleness,
+        on_policy_iteration_s=on_policy_iteration_s,
     )
 
 
 def format_plan_table(report: PlanReport) -> str:
     """The per-call table and the summary lines, as printed by `python -m app plan`."""
-    header = ("call", "role", "kind", "mesh", "dp", "tp", "pp", "est. time", "est. mem GiB")
+    header = ("call", "role", "kind", "mesh", "dp", "tp", "pp", "runs as", "est. time", "est. mem GiB",
+              "GPU peak GiB")
     body = [
-        (r.name, r.role, r.kind, r.mesh, str(r.dp), str(r.tp), str(r.pp), _seconds(r.est_time_s),
-         _gib(r.est_mem_gib) + ("" if r.feasible else " (infeasible)"))
+        (r.name, r.role, r.kind, r.mesh, str(r.dp), str(r.tp), str(r.pp), r.runs_as, _seconds(r.est_time_s),
+         _gib(r.est_mem_gib) + ("" if r.feasible else " (infeasible)"), _gib(r.est_peak_gib))
         for r in report.calls
     ]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     # Text columns align left, numbers right.
-    numeric = {4, 5, 6, 7, 8}
+    numeric = {4, 5, 6, 8, 9, 10}
 
     def line(cells: tuple[str, ...]) -> str:
         padded = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -130,9 +166,15 @@ def format_plan_table(report: PlanReport) -> str:
         f"{report.algorithm} on {report.cluster}, plan mode {report.mode}",
         f"estimated iteration time: {_seconds(report.est_iteration_s)}   "
         f"symmetric baseline: {_seconds(report.baseline_iteration_s)}   speedup: {speedup}",
-        f"peak GPU memory: {_gib(report.peak_mem_gib)} of {_gib(report.gpu_mem_gib)} GiB",
+        f"peak GPU memory: {_gib(report.peak_mem_gib)} of {_gib(report.gpu_mem_gib)} GiB"
+        + (f" ({report.memory_margin:.0%} kept free)" if report.memory_margin else ""),
         f"search time: {report.search_s:.2f} s   evaluated plans: {report.evaluated_plans}",
     ]
+    if report.max_staleness:
+        gain = "n/a" if math.isnan(report.staleness_speedup) else f"{report.staleness_speedup:.2f}x"
+        on_policy = math.nan if report.on_policy_iteration_s is None else report.on_policy_iteration_s
+        summary.insert(2, f"max_staleness {report.max_staleness}: {_seconds(report.est_iteration_s)}   "
+                          f"on-policy (max_staleness 0): {_seconds(on_policy)}   staleness speedup: {gain}")
     return "\n".join([line(header), rule, *map(line, body), rule, *summary])
 
 
@@ -144,20 +186,37 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
         "mode": report.mode,
         "calls": [
             {"name": r.name, "role": r.role, "kind": r.kind, "mesh": r.mesh, "dp": r.dp, "tp": r.tp, "pp": r.pp,
-             "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}", "est_time_s": _json_number(r.est_time_s),
-             "est_mem_gib": _json_number(r.est_mem_gib), "feasible": r.feasible}
+             "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}", "micro_batch_tokens": r.micro_batch_tokens,
+             "micro_batches": r.micro_batches, "gen_rounds": r.gen_rounds, "est_time_s": _json_number(r.est_time_s),
+             "est_mem_gib": _json_number(r.est_mem_gib), "est_peak_gib": _json_number(r.est_peak_gib),
+             "feasible": r.feasible}
             for r in report.calls
         ],
         "est_iteration_s": _json_number(report.est_iteration_s),
         "baseline_iteration_s": _json_number(report.baseline_iteration_s),
         "speedup": _json_number(report.speedup),
-        # The placements in the shape of the config's plan.manual section, so a plan can be pinned.
-        "plan": {r.name: {"mesh": r.mesh, "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}"} for r in report.calls},
+        # The plan in the shape of the config's plan.manual section, so it can be pinned as it is.
+        "plan": {r.name: manual_entry(r) for r in report.calls},
         "peak_mem_gib": _json_number(report.peak_mem_gib),
         "gpu_mem_gib": report.gpu_mem_gib,
+        "memory_margin": report.memory_margin,
         "search_s": report.search_s,
         "evaluated_plans": report.evaluated_plans,
+        "max_staleness": report.max_staleness,
+        "on_policy_iteration_s": _json_number(math.nan if report.on_policy_iteration_s is None
+                                              else report.on_policy_iteration_s),
+        "staleness_speedup": _json_number(report.staleness_speedup),
     }
+
+
+def manual_entry(row: CallRow) -> dict[str, Any]:
+    """One call as a `plan.manual.<call>` entry: mesh, layout, and its micro-batching or rounds."""
+    entry: dict[str, Any] = {"mesh": row.mesh, "layout": f"dp{row.dp}tp{row.tp}pp{row.pp}"}
+    if row.micro_batch_tokens is not None:
+        entry["micro_batch_tokens"] = row.micro_batch_tokens
+    if row.gen_rounds is not None:
+        entry["gen_rounds"] = row.gen_rounds
+    return entry
 
 
 def simulated_bars(sim: SimResult) -> list[GanttBar]:

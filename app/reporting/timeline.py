@@ -11,11 +11,18 @@ them to `<run_dir>/timeline.jsonl`, and derives:
   (its first op's start for the first iteration), so cross-iteration overlap shows;
 * `rollout/reward_mean`, `rollout/response_length_mean` from the data owners' metadata, every
   other veRL-named scalar (`actor/pg_loss`, `critic/vf_loss`, ...) averaged over the ranks that
-  report it, and `perf/throughput`: prompt + response tokens per second per GPU.
+  report it, and `perf/throughput`: prompt + response tokens per second per GPU;
+* `memory/<call>_peak_gib` and `memory/<call>_reserved_gib`: the largest peak of allocated and
+  reserved GPU memory over the call's ranks (null on CPU), beside `memory/<call>_est_gib`, the
+  plan's estimate of the fullest GPU during the call, and `timing_est_s/<call>`
+  (`fidelity_metrics`); `memory_overruns` names the calls whose measured peak exceeds the
+  estimate by more than a margin.
 
-`write_gantt` draws measured bars (one row per GPU) above the cost model's simulated bars of
-the same number of iterations; `timing_table` lists each call's mean measured time beside the
-estimate, for docs/benchmarks.md.
+Call records carry the estimate of the plan they ran under (`call_estimates`: seconds and the
+peak bytes per GPU while the call runs) next to what was measured. `write_gantt` draws measured
+bars (one row per GPU) above the cost model's simulated bars of the same number of iterations,
+each call bar labelled with its measured or estimated peak memory; `timing_table` lists each
+call's mean measured time and largest peak beside the estimates, for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,15 +37,17 @@ from typing import Any
 
 from app.reporting.report import GanttBar, draw_gantt, simulated_bars
 from planning.cost import PlanningProblem, call_cost
+from planning.hardware import GiB
 from planning.plan import ExecutionPlan
-from planning.simulate import simulate
+from planning.simulate import complete_plan, simulate
 
 GANTT_MAX_ITERATIONS = 4
 
 
 @dataclass(frozen=True)
 class TimelineRecord:
-    """One op on one rank: kind is call | realloc | release | export."""
+    """One op on one rank: kind is call | realloc | release | export. Calls also carry the
+    rank's measured peak memory (None where the device cannot tell) and the plan's estimates."""
 
     iteration: int
     name: str
@@ -46,15 +55,92 @@ class TimelineRecord:
     rank: int
     start: float
     end: float
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    est_s: float | None = None
+    est_peak_bytes: float | None = None
 
 
-def records_of(iteration: int, name: str, kind: str, ranks: Sequence[int], metas: Sequence[Any]) -> list[TimelineRecord]:
+@dataclass(frozen=True)
+class CallEstimate:
+    """The cost model's view of one call of a plan: seconds, and peak bytes on the fullest GPU
+    of its mesh while it runs (resident models + the call's own memory)."""
+
+    seconds: float
+    peak_bytes: float
+
+
+def call_estimates(problem: PlanningProblem, plan: ExecutionPlan) -> dict[str, CallEstimate]:
+    """Every call's estimate at the placement and execution the plan gives it."""
+    sim = simulate(problem, plan, iterations=1)
+    out = {}
+    for mfc in problem.graph.mfcs:
+        execution = plan.execution(mfc.name) or sim.executions.get(mfc.name)
+        seconds = call_cost(problem, mfc, plan[mfc.name], execution=execution).time_s
+        out[mfc.name] = CallEstimate(seconds, sim.call_mem_bytes.get(mfc.name, math.nan))
+    return out
+
+
+def records_of(iteration: int, name: str, kind: str, ranks: Sequence[int], metas: Sequence[Any],
+               estimate: CallEstimate | None = None) -> list[TimelineRecord]:
     """Records of one op from its per-rank metadata (dicts with start/end; others are skipped)."""
     out = []
     for rank, meta in zip(ranks, metas):
         if isinstance(meta, dict) and "start" in meta and "end" in meta:
-            out.append(TimelineRecord(iteration, name, kind, rank, float(meta["start"]), float(meta["end"])))
+            out.append(TimelineRecord(
+                iteration, name, kind, rank, float(meta["start"]), float(meta["end"]),
+                _int_or_none(meta.get("peak_allocated_bytes")), _int_or_none(meta.get("peak_reserved_bytes")),
+                estimate.seconds if estimate else None, estimate.peak_bytes if estimate else None))
     return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
+    """Per call: memory/<call>_peak_gib, memory/<call>_reserved_gib (largest over its ranks; nan,
+    i.e. null, where unmeasured), memory/<call>_est_gib and timing_est_s/<call>."""
+    metrics: dict[str, float] = {}
+    for name, items in _calls_by_name(records).items():
+        allocated = [r.peak_allocated_bytes for r in items if r.peak_allocated_bytes is not None]
+        reserved = [r.peak_reserved_bytes for r in items if r.peak_reserved_bytes is not None]
+        metrics[f"memory/{name}_peak_gib"] = max(allocated) / GiB if allocated else math.nan
+        metrics[f"memory/{name}_reserved_gib"] = max(reserved) / GiB if reserved else math.nan
+        if items[0].est_peak_bytes is not None:
+            metrics[f"memory/{name}_est_gib"] = items[0].est_peak_bytes / GiB
+        if items[0].est_s is not None:
+            metrics[f"timing_est_s/{name}"] = items[0].est_s
+    return metrics
+
+
+def memory_overruns(records: Sequence[TimelineRecord], margin: float) -> list[str]:
+    """One line per call whose measured peak (largest over its ranks) exceeds its estimate by
+    more than `margin` (a fraction of the estimate)."""
+    lines = []
+    for name, items in _calls_by_name(records).items():
+        measured = [r for r in items if r.peak_allocated_bytes is not None and r.est_peak_bytes]
+        if not measured:
+            continue
+        worst = max(measured, key=lambda r: r.peak_allocated_bytes or 0)
+        assert worst.peak_allocated_bytes is not None and worst.est_peak_bytes is not None
+        if worst.peak_allocated_bytes > worst.est_peak_bytes * (1.0 + margin):
+            lines.append(f"call {name} (iteration {worst.iteration}): measured peak {worst.peak_allocated_bytes / GiB:.3g} "
+                         f"GiB on rank {worst.rank} exceeds its estimate {worst.est_peak_bytes / GiB:.3g} GiB by more "
+                         f"than plan.memory_margin={margin:g}")
+    return lines
+
+
+def _calls_by_name(records: Sequence[TimelineRecord]) -> dict[str, list[TimelineRecord]]:
+    by_name: dict[str, list[TimelineRecord]] = defaultdict(list)
+    for record in records:
+        if record.kind == "call":
+            by_name[record.name].append(record)
+    return by_name
 
 
 def span(records: Iterable[TimelineRecord]) -> tuple[float, float]:
@@ -148,19 +234,23 @@ def read_records(path: Path) -> list[TimelineRecord]:
 
 
 def measured_bars(records: Sequence[TimelineRecord], t0: float, row_offset: int = 0) -> list[GanttBar]:
-    """Measured records as Gantt bars (calls and reallocations), times relative to `t0`."""
+    """Measured records as Gantt bars (calls and reallocations), times relative to `t0`; a call
+    bar shows the rank's measured peak memory when there is one."""
     bars = []
     for r in records:
         if r.kind not in ("call", "realloc"):
             continue
         label = f"{r.name} #{r.iteration}" if r.kind == "call" else f"realloc>{r.name} #{r.iteration}"
+        if r.kind == "call" and r.peak_allocated_bytes is not None:
+            label += f" {r.peak_allocated_bytes / GiB:.1f}G"
         bars.append(GanttBar(r.rank + row_offset, r.start - t0, r.end - t0, label, r.kind))
     return bars
 
 
 def write_gantt(records: Sequence[TimelineRecord], problem: PlanningProblem, plan: ExecutionPlan,
                 path: Path) -> None:
-    """Measured bars of the first iterations on rows 0..G-1, the simulation's on rows G..2G-1."""
+    """Measured bars of the first iterations on rows 0..G-1, the simulation's on rows G..2G-1
+    (call bars of both labelled with their peak GPU memory, measured or estimated)."""
     n_gpus = problem.cluster.n_gpus
     shown = sorted({r.iteration for r in records})[:GANTT_MAX_ITERATIONS]
     measured = [r for r in records if r.iteration in shown]
@@ -169,7 +259,8 @@ def write_gantt(records: Sequence[TimelineRecord], problem: PlanningProblem, pla
     t0 = min(r.start for r in measured)
     bars = measured_bars(measured, t0)
     sim = simulate(problem, plan, iterations=max(len(shown), 1))
-    estimated = [GanttBar(b.row + n_gpus, b.start_s, b.end_s, b.label, "estimate" if b.kind == "call" else b.kind)
+    estimated = [GanttBar(b.row + n_gpus, b.start_s, b.end_s, _with_memory(b, sim.call_mem_bytes),
+                          "estimate" if b.kind == "call" else b.kind)
                  for b in simulated_bars(sim)]
     labels = [f"GPU {g} measured" for g in range(n_gpus)] + [f"GPU {g} estimated" for g in range(n_gpus)]
     title = (f"{len(shown)} iteration(s): measured (top) vs cost-model estimate (bottom, "
@@ -177,26 +268,46 @@ def write_gantt(records: Sequence[TimelineRecord], problem: PlanningProblem, pla
     draw_gantt(bars + estimated, path, title=title, n_rows=2 * n_gpus, row_labels=labels)
 
 
+def _with_memory(bar: GanttBar, call_mem: dict[str, float]) -> str:
+    """A simulated call bar's label with the estimated peak GiB of its GPU during the call."""
+    name = bar.label.split(" #", 1)[0]
+    if bar.kind != "call" or name not in call_mem:
+        return bar.label
+    return f"{bar.label} {call_mem[name] / GiB:.1f}G"
+
+
 def timing_table(records: Sequence[TimelineRecord], problem: PlanningProblem, plan: ExecutionPlan) -> list[dict[str, Any]]:
-    """Per call: placement, mean measured seconds (iterations after the first when there are
-    several: the first carries warm-up) and the cost model's estimate."""
+    """Per call: placement and execution, mean measured seconds (iterations after the first when
+    there are several: the first carries warm-up), the largest measured peak allocated and
+    reserved GiB over its ranks and iterations (None on CPU), and the cost model's estimates."""
     iterations = sorted({r.iteration for r in records})
     steady = [r for r in records if r.iteration != iterations[0]] if len(iterations) > 1 else list(records)
+    estimates = call_estimates(problem, plan)
+    complete = complete_plan(problem, plan)
     rows = []
     for mfc in problem.graph.mfcs:
         placement = plan[mfc.name]
         per_iteration = [span(r for r in steady if r.kind == "call" and r.name == mfc.name and r.iteration == i)
                          for i in iterations]
         seconds = [end - start for start, end in per_iteration if math.isfinite(start)]
+        calls = [r for r in records if r.kind == "call" and r.name == mfc.name]
+        allocated = [r.peak_allocated_bytes for r in calls if r.peak_allocated_bytes is not None]
+        reserved = [r.peak_reserved_bytes for r in calls if r.peak_reserved_bytes is not None]
+        execution = complete.execution(mfc.name)
         rows.append({
             "call": mfc.name, "mesh": str(placement.mesh), "layout": str(placement.layout),
+            **(execution.as_dict() if execution else {}),
             "measured_s": sum(seconds) / len(seconds) if seconds else None,
-            "estimated_s": call_cost(problem, mfc, placement).time_s,
+            "estimated_s": estimates[mfc.name].seconds,
+            "measured_peak_gib": max(allocated) / GiB if allocated else None,
+            "measured_reserved_gib": max(reserved) / GiB if reserved else None,
+            "estimated_peak_gib": _finite_or_none(estimates[mfc.name].peak_bytes / GiB),
         })
     return rows
 
 
 __all__ = [
-    "GANTT_MAX_ITERATIONS", "TimelineRecord", "append_records", "measured_bars", "read_records", "records_of",
-    "rollout_metrics", "span", "throughput", "timing_metrics", "timing_table", "write_gantt",
+    "GANTT_MAX_ITERATIONS", "CallEstimate", "TimelineRecord", "append_records", "call_estimates", "fidelity_metrics",
+    "measured_bars", "memory_overruns", "read_records", "records_of", "rollout_metrics", "span", "throughput",
+    "timing_metrics", "timing_table", "write_gantt",
 ]

@@ -118,10 +118,9 @@ class Tracker:
         except Exception as exc:  # ImportError, or a broken install raising anything at import
             warnings.warn(f"wandb logging disabled: cannot import wandb ({type(exc).__name__}: {exc})", stacklevel=3)
             return None
-        if "WANDB_MODE" in os.environ:
-            mode = None  # the user chose (online, offline, disabled); wandb reads it
-        else:
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        # Passed explicitly, even when the user set WANDB_MODE: wandb reads its environment once per
+        # process (its settings singleton), so a later change of WANDB_MODE would otherwise be ignored.
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         try:
             resume = {"id": run_id, "resume": "allow"} if run_id else {}
             return wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir), mode=mode, **resume)

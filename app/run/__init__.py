@@ -10,7 +10,13 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   cluster_check  the configured nodes x GPUs against the live Ray cluster (the planner's nodes)
   runtime     checks before any worker starts, then Ray, the plan search, workers and models
   failures    a lost Ray node named with the calls in flight on it
+  staleness   bounded staleness: the stages the driver submits next, rollout/staleness
+  dynamic_sampling  DAPO's rounds: groups with distinct rewards kept, the select call
   collect     waiting for submitted operations: results, or the failure to report
+  submit      one scheduled operation as Ray tasks on the workers of its mesh
+  iteration_metrics  a collected iteration's timeline records and metrics row
+  headroom    the plan's memory margin, checked before the first call
+  replan      self-calibration from measured calls, re-planning, switching plans between iterations
   driver      `Driver`: runs the plan's dataflow graph iteration after iteration, recovering
   jobs        one-off jobs on Ray with a single placement (`generate`, `score`)
 """
@@ -18,11 +24,11 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
 from __future__ import annotations
 
 from app.run.checkpoint import latest_checkpoint
-from app.run.resume import check_run_dir
-from app.run.recovery import DriverError
-from app.run.runtime import preflight
 from app.run.driver import Driver
 from app.run.jobs import LayoutJob, column, generate_on_ray
+from app.run.recovery import DriverError
+from app.run.resume import check_run_dir
+from app.run.runtime import preflight
 
 __all__ = [
     # checkpoint.py

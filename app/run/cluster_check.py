@@ -24,6 +24,7 @@ import ray
 from app.config import ConfigError, ExperimentConfig
 from cluster.resources import ClusterShortfall, RayClusterInfo, RayNode, probe_cuda, select_nodes
 
+
 def check_local_start(cfg: ExperimentConfig) -> None:
     """Refuse several nodes of virtual GPUs when no Ray cluster is there to join."""
     c = cfg.cluster

@@ -28,6 +28,7 @@ from app.run.failures import explain_node_loss
 from app.run.recovery import WorkerFailure, describe_error, is_recoverable, probe_workers, stall_message
 from cluster.health import NODE_LOSS_WAIT_S
 from cluster.placement import WorkerGroup
+from planning.plan import Placement
 
 FAILURE_SETTLE_S = 5.0
 
@@ -42,6 +43,8 @@ class SubmittedOp:
     ranks: tuple[int, ...]
     meta_refs: tuple[ray.ObjectRef, ...]
     data_refs: dict[int, ray.ObjectRef] = field(default_factory=dict)
+    placement: Placement | None = None  # where its data came from, when not the plan's (dyn_select)
+    n_rows: int | None = None  # rows of its data, when not its call's (dyn_select)
 
     def describe(self) -> str:
         return f"{self.kind} '{self.name}' of iteration {self.iteration}"

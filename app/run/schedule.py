@@ -78,17 +78,21 @@ def home_placements(graph: Graph, plan: ExecutionPlan, model_roles: tuple[str, .
 
 
 def iteration_ops(graph: Graph, plan: ExecutionPlan, model_roles: tuple[str, ...],
-                  location: dict[str, Placement]) -> tuple[list[Op], dict[str, Placement]]:
+                  location: dict[str, Placement], calls: tuple[str, ...] | None = None,
+                  ) -> tuple[list[Op], dict[str, Placement]]:
     """The operations of one iteration and where every role's weights are after it.
 
     model_roles: roles that hold weights (a rule-based reward has none: its call runs alone).
     location: where each role's (home or only) copy is at the start of the iteration.
+    calls: only these calls (one stage of an iteration under bounded staleness, app.run.staleness);
+    every copy a stage makes of a trained role is released within the stage.
     """
     trained = set(graph.trained_roles)
     where = dict(location)
     extra_copies: dict[str, set[Placement]] = {role: set() for role in model_roles}
     ops: list[Op] = []
-    for index, mfc in enumerate(graph.mfcs):
+    chosen = [m for m in graph.mfcs if calls is None or m.name in calls]
+    for index, mfc in enumerate(chosen):
         placement = plan[mfc.name]
         role = mfc.role
         if role in model_roles:
@@ -102,16 +106,16 @@ def iteration_ops(graph: Graph, plan: ExecutionPlan, model_roles: tuple[str, ...
         ops.append(CallOp(mfc, placement))
         if role in trained and mfc.kind == "train":
             extra_copies[role].clear()  # the worker drops copies made stale by the update
-        elif role in trained and placement in extra_copies[role] and not _used_again(graph, plan, index, placement):
+        elif role in trained and placement in extra_copies[role] and not _used_again(chosen, plan, index, placement):
             ops.append(ReleaseOp(role, placement))
             extra_copies[role].discard(placement)
     return ops, where
 
 
-def _used_again(graph: Graph, plan: ExecutionPlan, index: int, placement: Placement) -> bool:
+def _used_again(calls: list[MFC], plan: ExecutionPlan, index: int, placement: Placement) -> bool:
     """Whether a later call of the same role, before its next train call, runs under `placement`."""
-    role = graph.mfcs[index].role
-    for later in graph.mfcs[index + 1:]:
+    role = calls[index].role
+    for later in calls[index + 1:]:
         if later.role != role:
             continue
         if later.kind == "train":

@@ -153,7 +153,7 @@ def test_efficiency_factors_slow_down_their_op() -> None:
     assert b.breakdown["compute_s"] == pytest.approx(2 * a.breakdown["compute_s"])
     assert b.breakdown["tp_comm_s"] > 1.5 * a.breakdown["tp_comm_s"]
     with pytest.raises(ValueError, match="OpEfficiency.gemm"):
-        OpEfficiency(gemm=1.5)
+        OpEfficiency(gemm=5.0)
     assert OpEfficiency.from_dict({"decode": 0.7}) == OpEfficiency(decode=0.7)
     with pytest.raises(ValueError, match="unknown keys \\['flops'\\]"):
         OpEfficiency.from_dict({"flops": 0.5})

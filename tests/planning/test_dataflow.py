@@ -40,6 +40,15 @@ def test_pruning_is_transitive_and_keeps_train_calls() -> None:
 
 def test_keys_still_read_keep_their_producers() -> None:
     assert names(prune_graph(ppo_graph(BATCH), ["values"])) == [
-        "actor_gen", "rew_inf", "ref_inf", "actor_train", "critic_train"]
+        "actor_gen", "rew_inf", "ref_inf", "actor_inf", "actor_train", "critic_train"]
     # DPO's loss reads the reference: nothing to drop unless asked.
     assert names(prune_graph(dpo_graph(BATCH))) == ["ref_inf", "actor_train"]
+
+
+def test_pruning_keeps_the_staleness_and_the_expected_runs() -> None:
+    from planning.dataflow import outcome_graph, with_staleness
+
+    graph = with_staleness(outcome_graph("dapo", BATCH, group_size=4, gen_runs=1.5), 2)
+    pruned = prune_graph(graph, ["ref_logprobs"])
+    assert names(pruned) == ["actor_gen", "rew_inf", "actor_train"]
+    assert pruned.max_staleness == 2 and pruned.mfc("actor_gen").expected_runs == 1.5

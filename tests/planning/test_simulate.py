@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
-from planning.dataflow import BatchShape, ppo_graph
+from planning.dataflow import BatchShape, ppo_graph, with_staleness
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset
@@ -60,7 +62,7 @@ def test_overlapping_meshes_serialise_in_graph_order() -> None:
     calls = sorted((t for t in result.tasks if t.kind == "call"), key=lambda t: t.start_s)
     for a, b in zip(calls, calls[1:]):
         assert b.start_s >= a.end_s - 1e-12
-    assert [t.name for t in calls[:6]] == [n for n, _ in plan.placements]
+    assert [t.name for t in calls[:7]] == [m.name for m in _problem().graph.mfcs]  # actor_inf: where actor_train is
     # Iterations repeat identically: steady state equals one iteration's sum of call times.
     first = [t for t in calls if t.iteration == 0]
     assert result.iteration_s == pytest.approx(sum(t.end_s - t.start_s for t in first))
@@ -159,3 +161,57 @@ def test_resident_weights_squeeze_a_call_into_a_slower_level() -> None:
         durations.append(task.end_s - task.start_s)
     assert durations[0] == pytest.approx(free.time_s)
     assert durations[1] > 1.1 * free.time_s  # two rounds: the weights are streamed twice as often
+
+
+# ---- bounded staleness ----------------------------------------------------------------------------
+
+
+def _disjoint_plan() -> ExecutionPlan:
+    """Generation alone on GPUs 0-3; every other call (actor_inf with actor_train) on GPUs 4-7."""
+    rest = _at(4, 4, "dp2tp2")
+    return _plan(actor_gen=_at(0, 4, "dp1tp4"), **{n: rest for n in ("rew_inf", "ref_inf", "critic_inf",
+                                                                         "actor_train", "critic_train")})
+
+
+def _train_stage(result: SimResult, iteration: int) -> SimTask:
+    """The span of an iteration's calls other than generation, as one task."""
+    tasks = [t for t in result.tasks if t.kind == "call" and t.iteration == iteration and t.name != "actor_gen"]
+    return SimTask("train stage", "call", iteration, (), min(t.start_s for t in tasks), max(t.end_s for t in tasks))
+
+
+def test_dispatch_order_runs_generation_k_iterations_ahead() -> None:
+    graph = _problem().graph
+    names = [m.name for m in graph.mfcs]
+    assert graph.dispatch_order(2) == [(0, n) for n in names] + [(1, n) for n in names]  # k = 0: on-policy
+    stale = with_staleness(graph, 1)
+    train = [n for n in names if n != "actor_gen"]
+    assert stale.dispatch_order(3) == ([(0, "actor_gen"), (1, "actor_gen")] + [(0, n) for n in train]
+                                      + [(2, "actor_gen")] + [(1, n) for n in train] + [(2, n) for n in train])
+    assert (stale.version_lag("actor_gen"), stale.version_lag("actor_train")) == (2, 1)
+
+
+def test_staleness_lets_generation_run_beside_training_on_disjoint_meshes() -> None:
+    problem = _problem()
+    stale = replace(problem, graph=with_staleness(problem.graph, 1))
+    on_policy, async_ = simulate(problem, _disjoint_plan(), iterations=4), simulate(stale, _disjoint_plan(), iterations=4)
+    assert on_policy.feasible and async_.feasible, (on_policy.reason, async_.reason)
+    # k = 0: the next generation waits for the training stage; k = 1: it runs during it.
+    assert not _overlap(_task(on_policy, "actor_gen", 2), _train_stage(on_policy, 1))
+    assert _overlap(_task(async_, "actor_gen", 2), _train_stage(async_, 1))
+    # Generation of iteration j reads the weights of training j - 2 (reallocated after it).
+    for j in (2, 3):
+        moved = _task(async_, "realloc:actor_train->actor_gen", j)
+        assert moved.start_s >= _task(async_, "actor_train", j - 2).end_s - 1e-9
+        assert _task(async_, "actor_gen", j).start_s >= moved.end_s - 1e-9
+    # The steady iteration is bounded by the slower side, not by their sum.
+    gen = _task(async_, "actor_gen", 2)
+    assert async_.iteration_s < on_policy.iteration_s
+    assert async_.iteration_s < on_policy.iteration_s - 0.5 * (gen.end_s - gen.start_s)
+
+
+def test_staleness_gains_nothing_when_every_call_shares_the_gpus() -> None:
+    problem = _problem()
+    stale = replace(problem, graph=with_staleness(problem.graph, 2))
+    same = _plan(**{n: _at(0, 8, "dp2tp4") for n in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
+                                                         "critic_train")})
+    assert simulate(stale, same).iteration_s == pytest.approx(simulate(problem, same).iteration_s)

@@ -4,8 +4,11 @@ One spawn of 4 gloo processes loops over the cases (layouts of 2 ranks use ranks
 two only take part in creating the groups). For each case every rank builds the serial engine
 locally as the reference and checks: forward logprobs / values equal the serial ones; gradients
 after one backward (summed over dp, scaled by 1/count) equal the serial gradients' slices; three
-optimizer steps give the serial losses and gradient norms. Unit tests cover the pieces that need
-no processes: micro-batch splitting, the LR schedule and ShardedAdamW against torch's AdamW.
+optimizer steps give the serial losses and gradient norms. The same spawn then runs every layout
+with a micro-batch token budget (the plan's `micro_batch_tokens`): a dp share of N tokens runs
+ceil(N / budget) micro-batches and gives the logprobs, values and gradients of one micro-batch.
+Unit tests cover the pieces that need no processes: micro-batch splitting, the LR schedule and
+ShardedAdamW against torch's AdamW.
 """
 
 from __future__ import annotations
@@ -16,15 +19,15 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from tests.dist_harness import run_distributed
 
 from actors.engine.model_engine import ModelEngine, SequenceBatch
-from actors.engine.optimizer import AdamWConfig, ShardedAdamW, lr_at
+from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, lr_at
 from actors.engine.pipeline import split_by_tokens
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, destroy_parallel_groups
 from actors.rl.losses import LossSums, value_loss
 from planning.layout import Layout
 from planning.models import ModelSpec, tp_split_dim
+from tests.dist_harness import run_distributed
 
 GQA = ModelSpec("tiny-gqa", "llama", 64, 32, 64, 4, 4, 2, 8, max_position_embeddings=64)
 TIED = ModelSpec("tiny-tied", "qwen2", 64, 32, 64, 4, 4, 2, 8, tie_embeddings=True, qkv_bias=True,
@@ -40,6 +43,7 @@ CASES = ([(GQA, False, layout, 3) for layout in ALL_LAYOUTS]
             (TIED, False, Layout(dp=2, pp=2), 2)]
          + [(GQA, True, Layout(tp=2, pp=2), 3), (GQA, True, Layout(dp=2, pp=2), 2)])
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+BUDGET = 8  # tokens per micro-batch: 2 to 6 micro-batches per dp share of LENGTHS
 
 
 def make_batch() -> SequenceBatch:
@@ -118,7 +122,27 @@ def run_case(spec: ModelSpec, critic: bool, layout: Layout, n_micro: int, ref: d
     destroy_parallel_groups(groups)
 
 
-def engine_worker(rank: int, world_size: int) -> list[str]:
+def run_budget_case(spec: ModelSpec, critic: bool, layout: Layout, ref: dict[str, object]) -> int | None:
+    """Forward and gradients with the token budget against the serial single micro-batch;
+    returns the number of micro-batches of this rank's dp share (None off the layout)."""
+    groups = build_parallel_groups(layout, list(range(layout.world_size)))
+    if groups is None:
+        return None
+    batch = make_batch()
+    engine = ModelEngine(spec, critic, groups, "cpu", seed=0, optim_config=OPTIM)
+    share = engine.dp_share(batch)
+    n_micro = len(engine.micro_batch_split(share, 1, BUDGET))
+    assert n_micro == math.ceil(share.tokens.numel() / BUDGET), (n_micro, share.tokens.numel())
+    out = (engine.forward_values(batch, micro_batch_tokens=BUDGET) if critic
+           else engine.forward_logprobs(batch, micro_batch_tokens=BUDGET))
+    torch.testing.assert_close(out, ref["out"], **TOL)
+    _, count = engine.backward_step(batch, _loss_fn(critic), with_entropy=True, micro_batch_tokens=BUDGET)
+    _check_grads(engine, groups, ref["grads"], count)
+    destroy_parallel_groups(groups)
+    return n_micro
+
+
+def engine_worker(rank: int, world_size: int) -> tuple[list[str], list[int | None]]:
     batch = make_batch()
     refs = {(spec.name, critic): serial_reference(spec, critic, batch)
             for spec, critic in {(spec, critic) for spec, critic, _, _ in CASES}}
@@ -129,13 +153,23 @@ def engine_worker(rank: int, world_size: int) -> list[str]:
         except AssertionError as err:
             raise AssertionError(f"{spec.name} critic={critic} {layout} n_micro={n_micro}: {err}") from err
         done.append(f"{spec.name}/{'critic' if critic else 'actor'}/{layout}")
-    return done
+    counts = []
+    for layout in ALL_LAYOUTS:
+        for critic in (False, True):
+            try:
+                counts.append(run_budget_case(GQA, critic, layout, refs[(GQA.name, critic)]))
+            except AssertionError as err:
+                raise AssertionError(f"budget {BUDGET}, {layout}, critic={critic}: {err}") from err
+    return done, counts
 
 
 @pytest.mark.dist
 def test_engine_matches_serial_for_every_layout() -> None:
     results = run_distributed(engine_worker, 4)
-    assert results[0] == [f"{s.name}/{'critic' if c else 'actor'}/{lay}" for s, c, lay, _ in CASES]
+    done, counts = results[0]
+    assert done == [f"{s.name}/{'critic' if c else 'actor'}/{lay}" for s, c, lay, _ in CASES]
+    # Rank 0 is in every layout; the whole batch (42 tokens) at dp=1 takes ceil(42 / 8) = 6.
+    assert None not in counts and max(counts) == 6 and min(counts) >= 2, counts
 
 
 def gpu_engine_worker(rank: int, world_size: int) -> list[str]:
@@ -220,3 +254,37 @@ def test_sharded_adamw_alone_matches_torch_adamw() -> None:
         assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0
         torch.testing.assert_close(matrix.detach(), ref_matrix.detach(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(norm.detach(), ref_norm.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_sharded_adamw_state_moves_whole_and_continues_exactly() -> None:
+    """full_state -> load_full_state into an optimizer over other tensors (as after a move to
+    another layout): the next steps equal those of the optimizer that never moved."""
+    torch.manual_seed(1)
+    params = [("w", torch.nn.Parameter(torch.randn(4, 3))), ("norm.weight", torch.nn.Parameter(torch.ones(3)))]
+    config = AdamWConfig(lr=0.1, weight_decay=0.1, max_grad_norm=None)
+    stay = ShardedAdamW(params, config, None, None)
+
+    def step(opt: ShardedAdamW, x: torch.Tensor) -> None:
+        w, n = opt.params
+        ((x @ w) * n).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    inputs = [torch.randn(5, 4) for _ in range(4)]
+    for x in inputs[:2]:
+        step(stay, x)
+    copies = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in params]
+    moved = ShardedAdamW(copies, config, None, None)
+    for key in OPTIMIZER_STATE_KEYS:
+        whole = stay.full_state(key)
+        assert {k: tuple(v.shape) for k, v in whole.items()} == {"w": (4, 3), "norm.weight": (3,)}
+        moved.load_full_state(key, whole)
+    moved.steps_done = stay.steps_done
+    for x in inputs[2:]:
+        step(stay, x)
+        step(moved, x)
+    for (_, a), (_, b) in zip(params, copies):
+        torch.testing.assert_close(a.detach(), b.detach(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="allowed: master"):
+        stay.full_state("momentum")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.dist_harness import run_distributed
 
 from actors.engine.logprobs import token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs
 from actors.engine.process_groups import build_parallel_groups
@@ -22,6 +21,7 @@ from actors.engine.tp_layers import (
     VocabParallelEmbedding,
 )
 from planning.layout import Layout
+from tests.dist_harness import run_distributed
 
 ATOL = 1e-5
 

@@ -15,13 +15,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.dist_harness import run_distributed  # noqa: E402
-
 from actors.engine import logprobs as logprobs_mod  # noqa: E402
 from actors.engine.logprobs import combine_row_stats, token_logprobs, vocab_parallel_logprobs  # noqa: E402
 from actors.engine.process_groups import build_parallel_groups  # noqa: E402
 from actors.kernels.switch import triton_runs  # noqa: E402
 from planning.layout import Layout  # noqa: E402
+from tests.dist_harness import run_distributed  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if not triton_runs(DEVICE):

@@ -15,8 +15,8 @@ import torch
 from actors.realloc.executor import ReallocGroups, broadcast_groups, execute_reallocation
 from actors.realloc.pull import pull_group
 from planning.realloc_plan import plan_reallocation
-from tests.dist_harness import run_distributed
 from tests.actors.realloc.test_program import PAIRS, SPEC, _full, _p, _shards
+from tests.dist_harness import run_distributed
 
 PATHS = {"pull": {"pull": True}, "nccl+kernel": {"pull": False, "copy_kernels": True},
          "nccl+torch": {"pull": False, "copy_kernels": False}}

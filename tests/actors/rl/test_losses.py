@@ -13,7 +13,6 @@ from actors.rl.advantages import (
     FixedKLController,
     broadcast_to_tokens,
     discounted_gae,
-    grpo_outcome_advantages,
     make_kl_controller,
     masked_whiten,
     ppo_advantages,
@@ -112,23 +111,6 @@ def test_masked_whiten_matches_reference() -> None:
     assert bool((out[~mask] == 0).all())
     unshifted = masked_whiten(x, mask, shift_mean=False)
     assert torch.allclose(unshifted[mask], expected + selected.mean(), atol=1e-5)
-
-
-@pytest.mark.parametrize("scale_by_std", [True, False])
-def test_grpo_advantages_per_group(scale_by_std: bool) -> None:
-    scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0, 0.0, 2.0])
-    adv = grpo_outcome_advantages(scores, group_size=4, eps=1e-6, scale_by_std=scale_by_std)
-    for g in range(2):
-        group = [float(s) for s in scores[4 * g:4 * g + 4]]
-        mean = sum(group) / 4
-        std = math.sqrt(sum((s - mean) ** 2 for s in group) / 3)
-        for k, s in enumerate(group):
-            expected = (s - mean) / (std + 1e-6) if scale_by_std else s - mean
-            assert abs(float(adv[4 * g + k]) - expected) < 1e-5
-    with pytest.raises(ValueError, match="group_size=3"):
-        grpo_outcome_advantages(scores, group_size=3)
-    with pytest.raises(ValueError, match="group_size=1"):
-        grpo_outcome_advantages(scores, group_size=1)
 
 
 def test_remax_and_broadcast() -> None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from actors.engine.packing import PackedBatch
 from actors.engine.process_groups import ParallelGroups
-from actors.worker.calls import CallContext
 from actors.worker import CallSpec, ModelWorker
+from actors.worker.calls import CallContext
 from actors.worker.train import load_rollout, minibatch_rows, ppo_returns
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
@@ -65,6 +65,7 @@ def rollout_columns() -> dict[str, list[Any]]:
         "values": _per_response([0.3 - 0.11 * k + 0.2 * (k % 2) for k in range(n_resp)]),
         "rewards": list(SCORES),
         "no_eos": list(NO_EOS),
+        "prompt_index": [0, 0, 1, 1],  # as generation writes it for groups of 2 (GRPO)
     }
 
 
@@ -464,9 +465,11 @@ def test_remax_actor_advantage_is_reward_to_go_minus_the_greedy_score(with_ref: 
         del columns["ref_logprobs"]
     shards = [*shards_of(columns), {"row_start": 0, "n": N, "greedy_rewards": greedy}]
     params = {"op": "remax_actor", "kl_coef": 0.2, "whiten": False, "loss_agg": "token-mean", "ppo_minibatches": 1}
+    new, _ = direct_outputs(module(worker, "actor"), columns)
     meta, _ = run(worker, "actor", "train", params, *shards)
     advantages = []
-    for i, lp in enumerate(rows_of(columns, "logprobs")):
+    # The KL penalty is of the actor's recomputed logprobs (not the rollout's) against the ref.
+    for i, lp in enumerate(new):
         kl = [a - b for a, b in zip(lp, rows_of(columns, "ref_logprobs")[i])] if with_ref else [0.0] * len(lp)
         rewards = [-0.2 * k for k in kl]
         rewards[-1] += SCORES[i]
@@ -634,3 +637,42 @@ def test_remax_greedy_baseline_gets_the_same_no_eos_penalty() -> None:
         advantages.append([score - baseline] * len(lp))  # kl_coef 0: reward only at the last token
     assert meta["actor/pg_loss"] == pytest.approx(-aggregate(advantages, "token-mean"), abs=1e-5)
     assert meta["rollout/greedy_reward_mean"] == pytest.approx(sum(greedy) / N)  # unpenalised, like reward_mean
+
+
+# ---- the KL penalty of the reward is taken from the recomputed logprobs --------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("op", ["ppo", "remax_actor", "outcome_actor"])
+def test_identical_actor_and_ref_give_a_kl_of_exactly_zero(op: str) -> None:
+    """The reward's KL penalty compares the actor's logprobs under its current weights (PPO: the
+    actor_inf call's old_logprobs; the critic-free ops: recomputed in the train call) with the
+    ref's, computed by the same code on the same layout: bit for bit equal, so KL == 0.0. The
+    generation's own logprobs come from another path (KV cache, decode kernels; bf16 on a GPU):
+    here they are rounded to bf16 as such a path gives them, and must not enter the KL."""
+    worker = serial_worker()
+    gen, ref, extra = generated_rollout(worker, {"temperature": 1.0})
+    _, old = run(worker, "actor", "inference", {"op": "logprobs", "out_key": "old_logprobs"}, gen)
+    gen = {**gen, "logprobs": [t.to(torch.bfloat16).float() for t in gen["logprobs"]]}
+    gap = max(float((a - b).abs().max()) for a, b in zip(gen["logprobs"], old["old_logprobs"]))
+    assert gap > 1e-4  # the rollout's logprobs are not the recomputed ones
+    common = {"kl_coef": 0.1, "ppo_minibatches": 1, "kl_estimator": "k1", "lam": 1.0}
+    greedy = {"row_start": 0, "n": N, "greedy_rewards": [0.0] * N}
+    group = {"row_start": 0, "n": N, "prompt_index": [0, 0, 1, 1]}
+    if op == "ppo":
+        meta, _ = run(worker, "actor", "train", {**common, "op": "ppo_actor"}, gen, ref, extra, old)
+        critic, _ = run(worker, "critic", "train", {**common, "op": "ppo_critic"}, gen, ref, extra, old)
+        assert critic["critic/returns_mean"] == pytest.approx(meta_returns(extra), abs=0.0)
+    elif op == "remax_actor":
+        meta, _ = run(worker, "actor", "train", {**common, "op": op}, gen, ref, extra, greedy)
+    else:
+        params = {**common, "op": op, "advantage": "rloo", "group_size": 2}
+        meta, _ = run(worker, "actor", "train", params, gen, ref, extra, group)
+    assert meta["actor/kl"] == 0.0
+
+
+def meta_returns(extra: dict[str, Any]) -> float:
+    """Mean GAE return of the zero-valued rollout with KL 0: each token's return is its row's
+    score (gamma = lam = 1, rewards only at the end, V = 0)."""
+    tokens = [s for s, v in zip(extra["rewards"], extra["values"]) for _ in range(v.numel())]
+    return sum(tokens) / len(tokens)

@@ -37,7 +37,8 @@ def rollout() -> dict[str, list[Any]]:
     return {"prompt_ids": [torch.randint(3, SPEC.vocab_size, (p,), generator=gen) for p in PROMPT_LENS],
             "response_ids": [torch.randint(3, SPEC.vocab_size, (r,), generator=gen) for r in RESPONSE_LENS],
             "logprobs": [-torch.rand(r, generator=gen) - 0.5 for r in RESPONSE_LENS],
-            "rewards": [1.0, 0.0, 2.0, 0.5, -1.0, 0.25], "row_start": 0, "n": len(PROMPT_LENS)}
+            "rewards": [1.0, 0.0, 2.0, 0.5, -1.0, 0.25], "prompt_index": [0, 0, 1, 1, 2, 2],  # GRPO groups of 2
+            "row_start": 0, "n": len(PROMPT_LENS)}
 
 
 def grads(engine: ModelEngine) -> dict[str, torch.Tensor]:

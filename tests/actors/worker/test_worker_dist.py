@@ -7,8 +7,11 @@ Plan of the parallel run (2 GPUs of one node):
   critic  home/train on GPU 1 alone -> critic_inf tp2 (reallocated, released; rank 0 never
           loaded the critic and learns its shapes inside the reallocation)
   rew_inf rule-based reward (toy task), dp2
-The serial reference runs every call on GPU 0 with layout dp1tp1pp1. Data moves between ranks
-with all_gather_object, standing in for Ray's object store.
+After the first iteration the parallel run moves the trained models' homes, as a re-plan does
+(`ModelWorker.rehome`: weights and ZeRO-1 optimizer state): the actor from dp2 to tp2 (then its
+generation needs no reallocation), the critic from GPU 1 to GPU 0. Training must go on as if
+nothing moved. The serial reference runs every call on GPU 0 with layout dp1tp1pp1. Data moves
+between ranks with all_gather_object, standing in for Ray's object store.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def placements(parallel: bool) -> dict[str, Placement]:
         "critic_inf": Placement(both, Layout(tp=2)),
         "rew_inf": Placement(both, Layout(dp=2)),
     }
+
+
+# Where the parallel run's trained models live from the second iteration on (a re-plan's move).
+NEW_HOMES = {"actor_home": Placement(Mesh(0, 2, 2), Layout(tp=2)), "critic_home": Placement(Mesh(0, 1, 2), Layout())}
 
 
 def prompt_shard() -> dict[str, Any]:
@@ -126,12 +133,16 @@ def setup_worker(worker: ModelWorker, places: dict[str, Placement]) -> None:
     sets: list[tuple[int, ...]] = []
     for placement in places.values():
         sets += placement_group_sets(placement)
-    moves = (("actor", "actor_home", "actor_gen"), ("critic", "critic_home", "critic_inf"), ("ref", "ref", "ref_alt"),
-             ("ref", "ref_alt", "ref"))
+    moves = [("actor", places["actor_home"], places["actor_gen"]), ("critic", places["critic_home"], places["critic_inf"]),
+             ("ref", places["ref"], places["ref_alt"]), ("ref", places["ref_alt"], places["ref"])]
+    if places["actor_home"].mesh.size > 1:  # the parallel run: its homes move after iteration 0
+        moves += [("actor", places["actor_home"], NEW_HOMES["actor_home"]),
+                  ("critic", places["critic_home"], NEW_HOMES["critic_home"]),
+                  ("critic", NEW_HOMES["critic_home"], places["critic_inf"])]
     for role, src, dst in moves:
-        if places[src] != places[dst]:
-            sets += list(plan_reallocation(SPEC, role == "critic", places[src], places[dst]).groups)
-            sets.append(tuple(sorted(set(places[src].mesh.gpus) | set(places[dst].mesh.gpus))))
+        if src != dst:
+            sets += list(plan_reallocation(SPEC, role == "critic", src, dst).groups)
+            sets.append(tuple(sorted(set(src.mesh.gpus) | set(dst.mesh.gpus))))
     if dist.get_world_size() > 1 and places["actor_home"].mesh.size > 1:
         worker.ensure_groups(sets)
     for role, (critic, trainable, seed) in ROLES.items():
@@ -147,11 +158,26 @@ def run_ppo(worker: ModelWorker, places: dict[str, Placement], world: int, out: 
     for role in ("actor", "critic"):
         if worker.rank in places[f"{role}_home"].mesh.gpus:
             worker.export(role, str(out / f"{role}-init"))
-    results = [driver.iteration(it, prompt_shard()) for it in range(ITERATIONS)]
+    results = []
+    for it in range(ITERATIONS):
+        results.append(driver.iteration(it, prompt_shard()))
+        if it == 0 and places["actor_home"].mesh.size > 1:
+            rehome(worker, places)
     for role in ("actor", "critic"):
         if worker.rank in places[f"{role}_home"].mesh.gpus:
             worker.export(role, str(out / f"{role}-final"))
     return {"iterations": results} if worker.rank == 0 else None
+
+
+def rehome(worker: ModelWorker, places: dict[str, Placement]) -> None:
+    """Move both trained models to NEW_HOMES (in place in `places`), on the ranks of both meshes."""
+    for role in ("actor", "critic"):
+        key = f"{role}_home"
+        src, dst = places[key], NEW_HOMES[key]
+        if worker.rank in set(src.mesh.gpus) | set(dst.mesh.gpus):
+            stats = worker.rehome(role, src, dst)
+            assert stats["bytes_sent"] + stats["bytes_received"] + stats["local_bytes"] > 0, stats
+        places[key] = dst
 
 
 def _ppo_ranks(rank: int, world_size: int, tmp: str) -> dict[str, Any] | None:

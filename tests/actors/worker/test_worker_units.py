@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.engine.model_engine import SequenceBatch
+from actors.worker import CallSpec, ModelWorker
 from actors.worker.calls import default_op, generation_seed
 from actors.worker.data import (
     dp_rows,
@@ -20,7 +21,6 @@ from actors.worker.data import (
     reward_score,
     scatter_responses,
 )
-from actors.worker import CallSpec, ModelWorker
 from planning.cost import rlhf_problem
 from planning.dataflow import BatchShape, ppo_graph
 from planning.hardware import hardware_preset

@@ -1,10 +1,13 @@
-"""Unit tier for app/algorithms: each call of the PPO, GRPO and ReMax graphs gets an op the worker
-knows and the hyperparameters it reads; bad hyperparameters fail naming the field."""
+"""Unit tier for app/algorithms: each call of every algorithm's graph gets an op the worker knows and the
+hyperparameters it reads, every worker knob is reachable from YAML, and bad values fail naming the field."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from actors.rl import make_kl_controller
 from actors.worker.model_worker import CALL_OPS
 from app.algorithms import (
     AlgorithmSettings,
@@ -14,9 +17,11 @@ from app.algorithms import (
     call_params,
     settings_from_config,
 )
+from app.config import ConfigError, build_problem, load_config
 from planning.dataflow import BatchShape, grpo_graph, ppo_graph, remax_graph
 
 BATCH = BatchShape(4, 8, 8)
+TINY = Path(__file__).resolve().parents[3] / "examples" / "ppo-tiny.yaml"
 ROLLOUT = RolloutSettings(max_new_tokens=8, temperature=0.7, seed=3, eos_token_id=2,
                           tokenizer="app.data.toy_task:CharTokenizer", reward_fn="app.data.toy_task:toy_reward")
 
@@ -27,7 +32,8 @@ def test_ppo_calls_get_their_ops_and_hyperparameters() -> None:
     params = {m.name: call_params(settings, m, kl_coef=0.123) for m in ppo_graph(BATCH).mfcs}
     assert {name: p["op"] for name, p in params.items()} == {
         "actor_gen": "generate", "rew_inf": "rule_reward", "ref_inf": "logprobs", "critic_inf": "values",
-        "actor_train": "ppo_actor", "critic_train": "ppo_critic"}
+        "actor_inf": "logprobs", "actor_train": "ppo_actor", "critic_train": "ppo_critic"}
+    assert params["actor_inf"]["out_key"] == "old_logprobs" and params["ref_inf"]["out_key"] == "ref_logprobs"
     assert all(p["op"] in CALL_OPS for p in params.values())
     assert params["actor_gen"]["temperature"] == 0.7 and params["actor_gen"]["max_new_tokens"] == 8
     assert params["ref_inf"]["temperature"] == 0.7  # logprobs under the sampling distribution
@@ -90,3 +96,79 @@ def test_settings_from_the_tiny_example_config() -> None:
     settings = settings_from_config(cfg, "app.data.toy_task:CharTokenizer", "app.data.rewards:toy_reward", eos_token_id=2)
     assert settings.rollout.max_new_tokens == cfg.batch.gen_len
     assert settings.ppo.ppo_minibatches == cfg.batch.ppo_minibatches and settings.ppo.kl_coef == cfg.ppo.kl_coef
+
+
+def settings_of(*overrides: str) -> AlgorithmSettings:
+    cfg = load_config(TINY, ["run.dir=/tmp/unused", *overrides])
+    return settings_from_config(cfg, "app.data.toy_task:CharTokenizer", "app.data.rewards:toy_reward", 2)
+
+
+@pytest.mark.unit
+def test_every_worker_knob_is_reachable_from_yaml() -> None:
+    settings = settings_of("ppo.entropy_coef=0.01", "ppo.dual_clip=3.0", "ppo.clip_eps_high=0.3",
+                           "ppo.no_eos_penalty=0.5", "ppo.recompute_logprobs=false", "ppo.rollout_is=none")
+    train = call_params(settings, build_problem(load_config(TINY)).graph.mfc("actor_train"), kl_coef=0.1)
+    assert (train["entropy_coef"], train["dual_clip"], train["clip_eps_high"]) == (0.01, 3.0, 0.3)
+    assert train["no_eos_penalty"] == 0.5 and train["recompute_logprobs"] is False and train["rollout_is"] is None
+    assert settings_of("run.max_staleness=1").ppo.rollout_is == "token"  # auto: on when stale
+    assert settings_of("ppo.rollout_is=sequence", "ppo.rollout_is_threshold=3").ppo.rollout_is_threshold == 3.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("override, field", [
+    ("ppo.dual_clip=1.0", "ppo.dual_clip"), ("ppo.clip_eps_high=0", "ppo.clip_eps_high"),
+    ("ppo.entropy_coef=-1", "ppo.entropy_coef"), ("ppo.no_eos_penalty=-0.5", "ppo.no_eos_penalty"),
+    ("ppo.recompute_logprobs=maybe", "ppo.recompute_logprobs"), ("ppo.rollout_is=geometric", "ppo.rollout_is"),
+    ("ppo.rollout_is_threshold=0.5", "ppo.rollout_is_threshold"),
+])
+def test_bad_worker_knobs_fail_naming_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(TINY, [override])
+    assert caught.value.field == field
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm, advantage, policy_loss", [
+    ("rloo", "rloo", "ppo"), ("reinforce_pp", "reinforce_pp", "ppo"),
+    ("reinforce_pp_baseline", "reinforce_pp_baseline", "ppo"), ("dapo", "grpo", "ppo"), ("gspo", "grpo", "gspo"),
+])
+def test_outcome_algorithms_get_their_estimator_and_loss(algorithm: str, advantage: str, policy_loss: str) -> None:
+    kl_in_reward = algorithm in ("rloo", "reinforce_pp", "reinforce_pp_baseline")
+    kl = "ppo.kl_coef=0.05" if kl_in_reward else "grpo.kl_loss_coef=0.01"  # each family's KL term
+    overrides = [f"algorithm={algorithm}", "batch.group_size=4", "plan.mode=heuristic", kl]
+    cfg = load_config(TINY, overrides)
+    graph = build_problem(cfg).graph
+    settings = settings_of(*overrides)
+    params = {m.name: call_params(settings, m, kl_coef=0.05) for m in graph.mfcs}
+    train = params["actor_train"]
+    assert params["actor_gen"]["n_samples"] == 4 and train["group_size"] == 4
+    assert (train["op"], train["advantage"], train["policy_loss"]) == ("outcome_actor", advantage, policy_loss)
+    assert all(p["op"] in CALL_OPS for p in params.values())
+    assert train["kl_coef"] == (0.05 if kl_in_reward else 0.0)
+    assert train["kl_loss_coef"] == (0.0 if kl_in_reward else 0.01)
+    assert "ref_inf" in params and "ref_logprobs" in graph.mfc("actor_train").input_keys
+    no_kl = build_problem(load_config(TINY, overrides[:-1] + [kl.replace("0.05", "0").replace("0.01", "0")])).graph
+    assert "ref_inf" not in [m.name for m in no_kl.mfcs]  # no KL term, no reference call
+    if algorithm == "dapo":
+        assert train["clip_eps_high"] == 0.28 and graph.mfc("actor_gen").expected_runs == pytest.approx(1 / 0.7)
+    if algorithm == "gspo":
+        assert (train["clip_eps"], train["clip_eps_high"]) == (3e-4, 4e-4)
+
+
+@pytest.mark.unit
+def test_remax_with_a_kl_coefficient_has_a_reference_call() -> None:
+    with_kl = build_problem(load_config(TINY, ["algorithm=remax", "ppo.kl_coef=0.05", "plan.mode=heuristic"])).graph
+    without = build_problem(load_config(TINY, ["algorithm=remax", "ppo.kl_coef=0", "plan.mode=heuristic"])).graph
+    assert "ref_inf" in [m.name for m in with_kl.mfcs] and "ref_logprobs" in with_kl.mfc("actor_train").input_keys
+    assert "ref_inf" not in [m.name for m in without.mfcs]
+
+
+@pytest.mark.unit
+def test_adaptive_kl_with_config_defaults_rises_when_the_kl_is_above_target() -> None:
+    """actor/kl is a per-token mean; the default target must be per token too (veRL: 0.1). With the
+    old default of 6.0 (a per-sequence sum) a per-token KL of 0.3 shrank the coefficient."""
+    p = load_config(TINY, ["ppo.kl_controller=adaptive", "ppo.kl_coef=0.05"]).ppo
+    controller = make_kl_controller(p.kl_controller, p.kl_coef, p.kl_target, p.kl_horizon)
+    for _ in range(10):
+        controller.update(0.3, 64)
+    assert controller.value > 0.05

@@ -20,7 +20,7 @@ EXAMPLES = ROOT / "examples"
 TINY = EXAMPLES / "ppo-tiny.yaml"
 FAST = "plan.seconds=1"
 TOO_BIG_PER_GPU = ["models.actor.preset=llama-34b", "models.critic.preset=qwen2.5-0.5b"]
-PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_inf", "actor_train", "critic_train"]
 # Examples of real models read their shapes from the downloaded model's config.json
 # (examples/grpo-qwen2.5-0.5b-gsm8k.yaml): planned below with the preset of the same shapes.
 GSM8K = EXAMPLES / "grpo-qwen2.5-0.5b-gsm8k.yaml"
@@ -51,7 +51,8 @@ def test_every_example_plans(example: str) -> None:
     done = plan_cli(EXAMPLES / example, FAST)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for heading in ("call", "role", "kind", "mesh", "dp", "tp", "pp", "est. time", "est. mem GiB"):
+    for heading in ("call", "role", "kind", "mesh", "dp", "tp", "pp", "runs as", "est. time", "est. mem GiB",
+                    "GPU peak GiB"):
         assert heading in out
     assert "estimated iteration time:" in out and "symmetric baseline:" in out and "speedup:" in out
     assert "search time:" in out and "evaluated plans:" in out
@@ -86,12 +87,20 @@ def test_json_is_one_object_with_the_schema() -> None:
 
 def test_manual_plan_is_reported_as_given() -> None:
     layouts = {"actor_train": "dp4", "critic_train": "dp1tp2pp2"}
-    done = plan_cli(TINY, *manual_overrides(layouts), "--json")
+    how = ["plan.manual.actor_train.micro_batch_tokens=96", "plan.manual.actor_gen.gen_rounds=2"]
+    done = plan_cli(TINY, *manual_overrides(layouts), *how, "--json")
     assert done.returncode == 0, done.stderr
-    calls = {c["name"]: c for c in json.loads(done.stdout)["calls"]}
+    report = json.loads(done.stdout)
+    calls = {c["name"]: c for c in report["calls"]}
     assert (calls["actor_train"]["dp"], calls["actor_train"]["tp"], calls["actor_train"]["pp"]) == (4, 1, 1)
     assert (calls["critic_train"]["dp"], calls["critic_train"]["tp"], calls["critic_train"]["pp"]) == (1, 2, 2)
     assert all(c["mesh"] == "n0" for c in calls.values())
+    # How each call runs: as given, else as the cost model picked; in the calls and the pinnable plan.
+    assert calls["actor_train"]["micro_batch_tokens"] == 96 and calls["actor_gen"]["gen_rounds"] == 2
+    assert report["plan"]["actor_train"]["micro_batch_tokens"] == 96 and report["plan"]["actor_gen"]["gen_rounds"] == 2
+    # 64 prompts / (dp4 x 2 minibatches) = 8 sequences of 24 tokens per replica: 192 / 96 = 2.
+    assert calls["actor_train"]["micro_batches"] == 2
+    assert all((c["gen_rounds"] or c["micro_batch_tokens"]) and c["est_peak_gib"] > 0 for c in calls.values())
 
 
 def test_searched_plan_pins_back_as_manual_with_the_same_estimate() -> None:
@@ -101,6 +110,7 @@ def test_searched_plan_pins_back_as_manual_with_the_same_estimate() -> None:
     assert pinned.returncode == 0, pinned.stderr
     again = json.loads(pinned.stdout)
     assert again["plan"] == searched["plan"]
+    assert all("micro_batch_tokens" in entry or "gen_rounds" in entry for entry in searched["plan"].values())
     assert again["est_iteration_s"] == pytest.approx(searched["est_iteration_s"], rel=1e-9)
 
 
@@ -201,3 +211,14 @@ def test_report_without_a_baseline_prints_na_and_json_null() -> None:
     assert data["baseline_iteration_s"] is None and data["speedup"] is None
     assert data["est_iteration_s"] == pytest.approx(seconds)
     json.dumps(data, allow_nan=False)  # strict JSON: no inf or nan left
+
+
+def test_bounded_staleness_shows_both_estimates() -> None:
+    done = plan_cli(EXAMPLES / "ppo-async-tiny.yaml")  # max_staleness 1, generation alone on GPUs 0-1
+    assert done.returncode == 0, done.stderr
+    assert "max_staleness 1:" in done.stdout and "on-policy (max_staleness 0):" in done.stdout
+    report = json.loads(plan_cli(EXAMPLES / "ppo-async-tiny.yaml", "--json").stdout)
+    assert report["max_staleness"] == 1
+    # The same placements, generation off the critical path: faster than on-policy.
+    assert report["on_policy_iteration_s"] > report["est_iteration_s"] > 0
+    assert report["staleness_speedup"] == pytest.approx(report["on_policy_iteration_s"] / report["est_iteration_s"])

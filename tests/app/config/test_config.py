@@ -13,6 +13,7 @@ from app.config.experiment import ConfigError, ExperimentConfig, apply_override,
 from app.config.problem import build_problem, manual_plan, unread_keys
 from planning.layout import Layout, Mesh
 from planning.models import MODEL_PRESETS
+from planning.plan import CallExecution
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +136,9 @@ def test_bad_override(override: str, field: str) -> None:
     ({"plan": {"seconds": 0}}, "plan.seconds", "greater than 0"),
     ({"plan": {"mode": "manual"}}, "plan.manual", "every call"),
     ({"plan": {"profile": "/nonexistent/profile.json"}}, "plan.profile", "profile JSON"),
+    ({"plan": {"memory_margin": 1.0}}, "plan.memory_margin", "less than 1"),
+    ({"plan": {"recalibrate_after": 0}}, "plan.recalibrate_after", "greater than or equal to 1"),
+    ({"plan": {"switch_gain": -0.1}}, "plan.switch_gain", "greater than or equal to 0"),
     ({"trainer": {"wandb": True}}, "trainer", "algorithm, models, batch, cluster, plan, run, data"),
 ])
 def test_schema_errors_name_field_value_and_allowed(change: dict[str, Any], field: str, allowed_part: str) -> None:
@@ -212,9 +216,11 @@ def test_manual_plan_in_graph_order() -> None:
     cfg = validate_config(tiny_raw(plan=manual_section(actor_train={"mesh": "n0:g0-1", "layout": "tp2"})))
     plan = manual_plan(cfg, build_problem(cfg))
     assert plan is not None
-    assert [name for name, _ in plan.placements] == list(TINY_CALLS)
+    # actor_inf, left out, runs where the actor trains (planning.dataflow.Graph.placement_default).
+    assert [name for name, _ in plan.placements] == [*TINY_CALLS[:4], "actor_inf", *TINY_CALLS[4:]]
     assert plan["actor_gen"].layout == Layout(2, 2, 1) and plan["actor_gen"].mesh == Mesh(0, 4, 4)
     assert plan["actor_train"].layout == Layout(1, 2, 1) and plan["actor_train"].mesh == Mesh(0, 2, 4)
+    assert plan["actor_inf"] == plan["actor_train"]
     assert manual_plan(validate_config(tiny_raw()), build_problem(validate_config(tiny_raw()))) is None
 
 
@@ -226,10 +232,27 @@ def test_manual_plan_in_graph_order() -> None:
     ({"actor_gen": {"mesh": "n0:g0-1", "layout": "dp4"}}, "plan.manual.actor_gen.layout", "2 GPUs"),
     ({"critic_train": {"mesh": "n0", "layout": "dp1pp4tp1"}}, "plan.manual.critic_train.layout", "n_layers=2"),
     ({"warmup": {"mesh": "n0", "layout": "dp4"}}, "plan.manual.warmup", "actor_gen"),
+    ({"actor_gen": {"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 64}},
+     "plan.manual.actor_gen.micro_batch_tokens", "gen_rounds"),
+    ({"ref_inf": {"mesh": "n0", "layout": "dp4", "gen_rounds": 2}}, "plan.manual.ref_inf.gen_rounds",
+     "micro_batch_tokens"),
+    ({"ref_inf": {"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 0}}, "plan.manual.ref_inf.micro_batch_tokens",
+     "greater than or equal to 1"),
 ])
 def test_manual_plan_errors(changed: dict[str, dict[str, str]], field: str, text: str) -> None:
     error = expect_error(tiny_raw(plan=manual_section(**changed)), field)
     assert text in str(error)
+
+
+def test_manual_plan_may_say_how_calls_run() -> None:
+    section = manual_section(actor_gen={"mesh": "n0", "layout": "dp4", "gen_rounds": 2},
+                             actor_train={"mesh": "n0", "layout": "dp4", "micro_batch_tokens": 512})
+    cfg = validate_config(tiny_raw(plan=section))
+    plan = manual_plan(cfg, build_problem(cfg))
+    assert plan is not None
+    assert plan.execution("actor_gen") == CallExecution(gen_rounds=2)
+    assert plan.execution("actor_train") == CallExecution(micro_batch_tokens=512)
+    assert plan.execution("ref_inf") is None  # the cost model picks it
 
 
 def test_manual_plan_must_cover_every_call() -> None:
@@ -253,3 +276,31 @@ def test_unreadable_yaml_names_the_file(tmp_path: Path, text: str, problem: str)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.field == "config" and problem in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("changes, field, text", [
+    ({"run": {"max_staleness": 1}, "algorithm": "dpo"}, "run.max_staleness", "generates nothing"),
+    ({"run": {"max_staleness": 1}, "ppo": {"recompute_logprobs": False}}, "run.max_staleness", "recompute_logprobs"),
+    ({"run": {"max_staleness": 1}, "algorithm": "dapo"}, "run.max_staleness", "dynamic_sampling"),
+    ({"run": {"max_staleness": -1}}, "run.max_staleness", "greater than or equal to 0"),
+    ({"algorithm": "rloo", "batch": {"prompts": 8, "group_size": 1, "ppo_minibatches": 2}}, "batch.group_size",
+     ">= 2"),
+    ({"algorithm": "dapo", "ppo": {"kl_coef": 0.1}}, "ppo.kl_coef", "loss term"),
+    ({"algorithm": "dapo", "dapo": {"overlong_buffer": 20}}, "dapo.overlong_buffer", "gen_len=16"),
+    ({"ppo": {"rollout_is": "token", "recompute_logprobs": False}}, "ppo.rollout_is", "recompute_logprobs"),
+    ({"algorithm": "vapo"}, "algorithm", "'reinforce_pp_baseline'"),
+])
+def test_algorithm_and_staleness_checks_name_the_field(changes: dict[str, Any], field: str, text: str) -> None:
+    raw = tiny_raw()
+    for section, value in changes.items():
+        raw[section] = {**raw.get(section, {}), **value} if isinstance(value, dict) else value
+    assert text in str(expect_error(raw, field))
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"])
+def test_new_algorithms_build_their_graph_and_run_ahead(algorithm: str) -> None:
+    cfg = validate_config({**tiny_raw(), "algorithm": algorithm, "run": {"max_staleness": 2},
+                           "dapo": {"dynamic_sampling": False}})
+    graph = build_problem(cfg).graph
+    assert graph.algorithm == algorithm and graph.max_staleness == 2
+    assert graph.mfc("actor_gen").batch.n_seqs == 8 * 8  # batch.group_size 8 samples per prompt

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.rl.advantages import broadcast_to_tokens, grpo_outcome_advantages
+from actors.rl.advantages import broadcast_to_tokens
 from actors.rl.losses import ppo_policy_loss
+from actors.rl.outcome import grpo_outcome_advantages
 from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
 from app.data.toy_task import (
     BOS_ID,
@@ -164,7 +165,7 @@ def test_tiny_transformer_learns_toy_task_with_grpo_losses() -> None:
         responses = [tok.decode(s[prompts.shape[1]:].tolist()) for s in seqs]
         scores = torch.tensor([toy_reward(batch[i // group]["prompt"], r) for i, r in enumerate(responses)])
         mean_rewards.append(float(scores.mean()))
-        adv = grpo_outcome_advantages(scores, group)
+        adv = grpo_outcome_advantages(scores, torch.arange(scores.numel()) // group)
         # Packed view: every sequence is 4 response tokens, so a [B*4] stream with cu_seqlens.
         cu = torch.arange(0, seqs.shape[0] * 4 + 1, 4)
         mask = torch.ones(seqs.shape[0] * 4, dtype=torch.bool)

@@ -1,0 +1,72 @@
+"""The behaviour policy's logprobs of a train call, and the importance weights against the rollout's.
+
+PPO's ratio and a KL penalty in the reward compare the policy with the actor's own logprobs under
+its current weights ("old" logprobs), never the generation's: those come from PPO's actor_inf
+call, are recomputed under the train layout, or, when nothing needs them before the only
+optimizer step, are taken from that step's forward (`reuses_forward_logprobs`). The rollout's
+logprobs (generation time, possibly older weights under bounded staleness) enter only through
+truncated importance weights (params['rollout_is'], actors.rl.importance). Tensors are float32
+[T] over the packed rows of `actors.worker.train.Rollout`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from actors.engine import SequenceBatch
+from actors.rl import truncated_is_weights
+from actors.worker.calls import CallContext, micro_batching
+
+if TYPE_CHECKING:  # train.py imports this module; the batch type is only an annotation here
+    from actors.worker.train import Rollout
+
+
+def reuses_forward_logprobs(params: dict[str, Any]) -> bool:
+    """Whether the actor may take its old logprobs from the training forward itself instead of a
+    separate forward pass: with recomputation on, one minibatch and one epoch, the only
+    optimizer step runs its forward on exactly the weights the recomputation would use, so the
+    two are the same numbers (up to float summation order) and the extra pass over every token
+    is wasted work. TRL (num_iterations=1, one step per generation) and veRL do the same.
+    `train_actor` also needs no importance weights and no old logprobs computed beforehand."""
+    return (bool(params.get("recompute_logprobs", True)) and int(params.get("ppo_minibatches", 1)) == 1
+            and int(params.get("ppo_epochs", 1)) == 1)
+
+
+def logprobs_before_step(ctx: CallContext, r: Rollout) -> Tensor | None:
+    """The behaviour logprobs [T] when the advantages need them before the step (a KL penalty in
+    the reward against a reference), else None (`train_actor` then takes or recomputes them)."""
+    if r.ref_logprobs is not None and float(ctx.params.get("kl_coef", 0.0)) > 0:
+        return behaviour_logprobs(ctx, r)
+    return None
+
+
+def behaviour_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
+    """The behaviour policy's logprobs [T]: the actor_inf call's `old_logprobs` when given, else
+    recomputed by the actor under the train layout (params['recompute_logprobs'], default True:
+    the first PPO ratio is then exactly 1), else the sampling logprobs from generation."""
+    if r.old_logprobs is not None:
+        return r.old_logprobs * r.mask
+    if not bool(ctx.params.get("recompute_logprobs", True)):
+        return r.logprobs
+    engine = ctx.need_engine()
+    batch = SequenceBatch(r.tokens, r.lengths)
+    temperature = float(ctx.params.get("temperature", 1.0))
+    mb = micro_batching(ctx)
+    logprobs = engine.forward_logprobs(batch, mb.n_micro, temperature, gather_dp=True, micro_batch_tokens=mb.tokens)
+    return logprobs.float().cpu() * r.mask
+
+
+def importance_weights(ctx: CallContext, r: Rollout, old: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+    """Truncated importance weights [T] of old over the rollout's logprobs (params['rollout_is']:
+    'token' or 'sequence'; None: no correction) and their metrics actor/rollout_is_*."""
+    level = ctx.params.get("rollout_is")
+    if level is None:
+        return None, {}
+    weights, stats = truncated_is_weights(old, r.logprobs, r.mask, r.cu_seqlens, str(level),
+                                          float(ctx.params.get("rollout_is_threshold", 2.0)))
+    return weights, {f"actor/{k}": v for k, v in stats.items()}
+
+
+__all__ = ["behaviour_logprobs", "importance_weights", "logprobs_before_step", "reuses_forward_logprobs"]

@@ -1,0 +1,87 @@
+"""How a call runs as its plan says: the micro-batching of inference and training, and the rounds
+of generation (`planning.plan.CallExecution`, chosen by the cost model, carried by `CallSpec`).
+
+* Inference and training: `plan_micro_batching` gives the engine a token budget per
+  micro-batch (`ModelEngine.micro_batch_split` cuts each dp share into ceil(tokens / budget)
+  micro-batches of whole sequences). A call without a plan (a one-off job, or the generation
+  call's recomputed logprobs) gets MAX_MICRO_TOKENS, the cost model's cap, so no call ever holds
+  the logits of a whole batch at once.
+* Generation: `generation_rounds` cuts a dp rank's rows into the plan's rounds and
+  `generate_in_rounds` runs them one after another, each with its own KV cache (freed before
+  the next). Each round draws, per sequence, the random numbers a single call over all the
+  rank's rows would draw (GenerationConfig.uniform_offset), so rounds change memory, not samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from actors.engine import ParallelGroups
+from actors.generation import GenerationConfig, SamplingParams, generate
+from planning.cost import MAX_MICRO_TOKENS
+from planning.plan import CallExecution
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How the engine splits each dp share: at least n_micro micro-batches, and at most `tokens`
+    tokens each (`ModelEngine.micro_batch_split`)."""
+
+    n_micro: int
+    tokens: int
+
+
+def plan_micro_batching(execution: CallExecution | None, min_micro: int | None, pp: int) -> MicroBatching:
+    """The plan's token budget (and at least `min_micro` micro-batches when an algorithm sets
+    one); without a plan, MAX_MICRO_TOKENS per micro-batch and at least pp of them."""
+    planned = execution.micro_batch_tokens if execution is not None else None
+    default_count = 1 if planned is not None else pp
+    return MicroBatching(int(min_micro or default_count), planned or MAX_MICRO_TOKENS)
+
+
+def generation_rounds(execution: CallExecution | None, n_rows: int) -> list[range]:
+    """`n_rows` rows cut into the plan's `gen_rounds` contiguous, near-equal rounds (one round
+    without a plan; never an empty round)."""
+    wanted = execution.gen_rounds if execution is not None and execution.gen_rounds else 1
+    rounds = max(1, min(n_rows, wanted))
+    return [range(k * n_rows // rounds, (k + 1) * n_rows // rounds) for k in range(rounds)]
+
+
+@dataclass(frozen=True)
+class RoundsOutput:
+    """A generation over all its rounds, per row on the host: response ids int64 [r_i], their
+    sampling logprobs float32 [r_i], response lengths and no-EOS flags."""
+
+    responses: list[Tensor]
+    logprobs: list[Tensor]
+    lengths: list[int]
+    no_eos: list[bool]
+    sampling: SamplingParams
+    rounds: int
+
+
+def generate_in_rounds(model: nn.Module, groups: ParallelGroups, prompts: list[Tensor], rounds: list[range],
+                       config_for: Callable[[range], GenerationConfig]) -> RoundsOutput:
+    """Generate `prompts` round after round (`config_for(round_rows)` gives each round's settings);
+    every rank of the mesh calls it with the same rounds."""
+    responses: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    lengths: list[int] = []
+    no_eos: list[bool] = []
+    sampling = SamplingParams()
+    for part in rounds:
+        config = config_for(part)
+        sampling = config.sampling
+        result = generate(model, prompts[part.start:part.stop], config, groups)
+        responses.extend(t.cpu() for t in result.responses())
+        logprobs.extend(t.float().cpu() for t in result.response_logprobs())
+        lengths.extend(int(n) for n in result.response_lengths.tolist())
+        no_eos.extend(bool(x) for x in result.no_eos.tolist())
+        del result  # the round's device tensors go before the next round allocates its cache
+    return RoundsOutput(responses, logprobs, lengths, no_eos, sampling, len(rounds))
+
+
+__all__ = ["MicroBatching", "RoundsOutput", "generate_in_rounds", "generation_rounds", "plan_micro_batching"]

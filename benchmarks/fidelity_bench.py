@@ -1,0 +1,256 @@
+"""Does the run do what the plan says? Estimated against measured time and peak memory per call.
+
+    python benchmarks/fidelity_bench.py --out DIR          # one H200: the sweep + the issue's "Why" run
+    python benchmarks/fidelity_bench.py --tiny --out DIR   # CPU, tiny models, virtual GPU: a quick check
+
+PPO and GRPO with Llama-3.2-1B-shaped models (random weights; the actor, its reference, a reward
+model, and PPO's critic) on one GPU, over a sweep of batch shapes (64-512 sequences, 128-1024
+prompt tokens, 256-2048 new tokens, 1 and 16 minibatches). Each shape is a real training run
+(`app.run.Driver`): the plan is searched with a 10% memory margin, every call runs with the plan's
+micro-batching / generation rounds, records its wall time and peak allocated memory, and after
+`RECALIBRATE_AFTER` iterations the cost model is fitted to the run's own measurements
+(`plan.recalibrate_after`). Prompts are random digit strings of exactly prompt_len tokens; the
+random models rarely sample EOS, so responses are ~gen_len long, as the plan assumes.
+
+Per call it reports the estimate before calibration against the measured time and peak of the
+first iteration after warm-up (iteration 1), the calibrated estimate against the same iteration
+(fitted) and against the next one (held out), and whether any call ran out of memory although the
+plan called it feasible. First, the issue's "Why" shape (GRPO, 1B actor + 1B reward model, 64
+prompts x 8 samples, 128-token prompts, 512 new tokens, ppo_minibatches=1, no allocator setting
+by the user) runs WHY_ITERATIONS iterations. Results: <out>/fidelity.json and a table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Run as a script from a checkout: make the repository's packages importable.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml
+
+from app.config import ConfigError, ExperimentConfig, load_config
+from app.reporting.timeline import TimelineRecord, read_records
+
+RECALIBRATE_AFTER = 2  # iterations 0 (warm-up) and 1 measured, the decision when iteration 2 is in
+ITERATIONS = 3
+WHY_ITERATIONS = 5
+GIB = 2**30
+OOM_MARKERS = ("OutOfMemoryError", "out of memory", "MemoryError")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One run: algorithm and batch (sequences = prompts x group)."""
+
+    name: str
+    algorithm: str
+    prompts: int
+    group: int
+    prompt_len: int
+    gen_len: int
+    minibatches: int
+    iterations: int = ITERATIONS
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.group
+
+
+SHAPES = (
+    Shape("ppo-64x1024+256-mb1", "ppo", 64, 1, 1024, 256, 1),
+    Shape("ppo-256x128+512-mb16", "ppo", 256, 1, 128, 512, 16),
+    Shape("ppo-64x512+1024-mb16", "ppo", 64, 1, 512, 1024, 16),
+    Shape("grpo-8x8x256+2048-mb1", "grpo", 8, 8, 256, 2048, 1),
+    Shape("grpo-64x8x128+256-mb16", "grpo", 64, 8, 128, 256, 16),
+    Shape("grpo-16x8x1024+256-mb1", "grpo", 16, 8, 1024, 256, 1),
+)
+WHY = Shape("why-grpo-64x8x128+512-mb1", "grpo", 64, 8, 128, 512, 1, WHY_ITERATIONS)
+TINY_SHAPES = (Shape("tiny-ppo", "ppo", 8, 1, 16, 8, 2),)
+TINY_WHY = Shape("tiny-why-grpo", "grpo", 2, 4, 16, 8, 1)
+
+
+def write_prompts(path: Path, n: int, prompt_len: int, seed: int = 0) -> None:
+    """n prompts of random digits, prompt_len tokens each with the toy tokenizer's bos."""
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as sink:
+        for _ in range(n):
+            sink.write(json.dumps({"prompt": "".join(rng.choice("0123456789") for _ in range(prompt_len - 1))}) + "\n")
+
+
+def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
+    """The experiment of one shape (a plan searched for one GPU, recalibrated after 2 iterations),
+    written to <run_dir>/config.yaml so that `python -m app train` can repeat it."""
+    data = run_dir / "prompts.jsonl"
+    write_prompts(data, shape.prompts * 2, shape.prompt_len)
+    model, critic = ("tiny", "tiny-critic") if tiny else ("llama3.2-1b", "llama3.2-1b")
+    models: dict[str, Any] = {"actor": {"preset": model}, "reward": {"preset": critic}}
+    if shape.algorithm == "ppo":
+        models["critic"] = {"preset": critic}
+    cluster = ({"nodes": 1, "gpus_per_node": 1, "gpu": "cpu", "virtual_gpus": True, "dashboard": False} if tiny
+               else {"nodes": 1, "gpus_per_node": 1, "gpu": "h200-141g", "dashboard": False})
+    raw = {
+        "algorithm": shape.algorithm, "models": models,
+        "batch": {"prompts": shape.prompts, "prompt_len": shape.prompt_len, "gen_len": shape.gen_len,
+                  "ppo_minibatches": shape.minibatches, "group_size": shape.group},
+        "cluster": cluster,
+        "plan": {"mode": "search", "seconds": 1 if tiny else 3, "memory_margin": 0.1,
+                 "recalibrate_after": RECALIBRATE_AFTER},
+        "data": {"path": str(data), "tokenizer": "toy", "max_prompt_len": shape.prompt_len},
+        "reward": {"function": None},
+        "tracking": {"wandb": False, "console": False},
+        "checkpoint": {"every": 0, "at_end": False},
+        "run": {"name": shape.name, "dir": str(run_dir), "iterations": shape.iterations},
+    }
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_config(run_dir / "config.yaml")
+
+
+def run_shape(shape: Shape, tiny: bool, out: Path) -> dict[str, Any]:
+    """Train one shape; returns what ran (iterations, OOM, error) and the per-call comparison."""
+    from app.run import Driver, DriverError
+
+    run_dir = out / shape.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = shape_config(shape, tiny, run_dir)
+    start = time.perf_counter()
+    error, iterations = "", 0
+    try:
+        driver = Driver(cfg, run_dir)
+        iterations = len(driver.run())
+    except (DriverError, ConfigError, RuntimeError) as exc:  # RuntimeError: a worker failed during set-up
+        error = " ".join(str(exc).split())[:400]
+    result: dict[str, Any] = {"shape": asdict(shape), "wall_s": time.perf_counter() - start, "iterations": iterations,
+                              "error": error, "oom": any(m in error for m in OOM_MARKERS),
+                              "planned": (run_dir / "plan.json").is_file()}
+    result.update(compare(run_dir))
+    return result
+
+
+def _call_seconds(records: list[TimelineRecord], name: str, iteration: int) -> float | None:
+    mine = [r for r in records if r.kind == "call" and r.name == name and r.iteration == iteration]
+    return max(r.end for r in mine) - min(r.start for r in mine) if mine else None
+
+
+def compare(run_dir: Path) -> dict[str, Any]:
+    """Per call: estimated vs measured seconds and peak GiB, before and after calibration."""
+    records = read_records(run_dir / "timeline.jsonl")
+    history_file = run_dir / "plan_history.jsonl"
+    history = json.loads(history_file.read_text().splitlines()[0]) if history_file.is_file() else None
+    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() else {}
+    rows = []
+    for call in plan.get("calls", []):
+        name = call["name"]
+        mine = [r for r in records if r.kind == "call" and r.name == name and r.iteration < RECALIBRATE_AFTER]
+        if not mine:
+            continue
+        peaks = [r.peak_allocated_bytes for r in mine if r.peak_allocated_bytes is not None]
+        after = (history or {}).get("calls", {}).get(name, {})
+        rows.append({
+            "call": name, "runs_as": {k: call.get(k) for k in ("micro_batch_tokens", "micro_batches", "gen_rounds")},
+            "est_s": mine[0].est_s, "measured_s": _call_seconds(records, name, 1),
+            "est_after_s": after.get("est_after_s"), "held_out_s": _call_seconds(records, name, RECALIBRATE_AFTER),
+            "est_peak_gib": mine[0].est_peak_bytes / GIB if mine[0].est_peak_bytes else None,
+            "measured_peak_gib": max(peaks) / GIB if peaks else None,
+            "est_peak_after_gib": after.get("est_peak_after_gib"),
+        })
+    errors = {
+        "time_before": _errors(rows, "est_s", "measured_s"), "time_after_fit": _errors(rows, "est_after_s", "measured_s"),
+        "time_after_held_out": _errors(rows, "est_after_s", "held_out_s"),
+        "mem_before": _errors(rows, "est_peak_gib", "measured_peak_gib"),
+        "mem_after": _errors(rows, "est_peak_after_gib", "measured_peak_gib"),
+    }
+    switched = [entry for entry in plan.get("history", []) if entry.get("switched")]
+    return {"calls": rows, "errors": errors, "switched_at": plan.get("since_iteration") if switched else None,
+            "efficiency": (history or {}).get("efficiency"), "memory_scale": (history or {}).get("memory_scale")}
+
+
+def _errors(rows: list[dict[str, Any]], estimate: str, measured: str) -> dict[str, float | None]:
+    """Median and max of |estimate / measured - 1| over the calls that have both."""
+    values = [abs(r[estimate] / r[measured] - 1.0) for r in rows if r.get(estimate) and r.get(measured)]
+    return {"median": statistics.median(values), "max": max(values)} if values else {"median": None, "max": None}
+
+
+def _pct(error: dict[str, float | None]) -> str:
+    if error["median"] is None:
+        return "n/a"
+    return f"{100 * error['median']:.0f}/{100 * error['max']:.0f}%"
+
+
+def print_calls(result: dict[str, Any]) -> None:
+    print(f"\n{result['shape']['name']}: {result['iterations']} iterations, {result['wall_s']:.0f} s"
+          + (f", error: {result['error'][:160]}" if result["error"] else ""))
+    print(f"  {'call':<13} {'runs as':<22} {'est s':>7} {'meas s':>7} {'cal s':>7} {'held s':>7} "
+          f"{'est GiB':>8} {'meas GiB':>8} {'cal GiB':>8}")
+    for row in result["calls"]:
+        how = row["runs_as"]
+        runs = (f"{how['gen_rounds']} round(s)" if how["gen_rounds"]
+                else f"{how['micro_batches']} x {how['micro_batch_tokens']} tok")
+        cells = [row[k] for k in ("est_s", "measured_s", "est_after_s", "held_out_s", "est_peak_gib",
+                                  "measured_peak_gib", "est_peak_after_gib")]
+        text = ["-" if v is None else f"{v:.3g}" for v in cells]
+        print(f"  {row['call']:<13} {runs:<22} " + " ".join(f"{t:>7}" for t in text[:4]) + " "
+              + " ".join(f"{t:>8}" for t in text[4:]))
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """One line per run; errors are median/max |estimate / measured - 1| over its calls."""
+    head = (f"{'run':<27} {'iters':>5} {'OOM':>4} {'time before':>11} {'after fit':>9} {'held out':>9} "
+            f"{'mem before':>10} {'mem after':>9} {'s/iter':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        e = r["errors"]
+        per_iter = r["wall_s"] / r["iterations"] if r["iterations"] else math.nan
+        oom = "yes" if r["oom"] else "no"
+        lines.append(f"{r['shape']['name']:<27} {r['iterations']:>2}/{r['shape']['iterations']:<2} {oom:>4} "
+                     f"{_pct(e['time_before']):>11} {_pct(e['time_after_fit']):>9} {_pct(e['time_after_held_out']):>9} "
+                     f"{_pct(e['mem_before']):>10} {_pct(e['mem_after']):>9} {per_iter:>7.1f}")
+    return "\n".join(lines)
+
+
+def start_ray(tiny: bool) -> None:
+    """A local Ray of its own for the whole sweep (virtual GPU on CPU), without the dashboard."""
+    import ray
+
+    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
+                              "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}}}
+    if tiny:
+        kwargs.update(num_cpus=2, num_gpus=1)
+    ray.init(**kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny models, one virtual GPU: checks the script")
+    parser.add_argument("--out", default="fidelity-out", help="directory for the runs and fidelity.json")
+    parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The issue's run first: if the device's time limit cuts the sweep short, it is not the one lost.
+    shapes = [TINY_WHY if args.tiny else WHY, *(TINY_SHAPES if args.tiny else SHAPES)]
+    if args.only:
+        shapes = [s for s in shapes if s.name in args.only.split(",")]
+    start_ray(args.tiny)
+    results = []
+    for shape in shapes:
+        results.append(run_shape(shape, args.tiny, out))
+        print_calls(results[-1])
+        (out / "fidelity.json").write_text(json.dumps(results, indent=1))
+    print("\nerrors: median/max over calls of |estimate / measured - 1|; before = the searched plan's estimate, "
+          "after = calibrated on iteration 1 (fit) and checked on iteration 2 (held out)")
+    print(summary_table(results))
+
+
+if __name__ == "__main__":
+    main()

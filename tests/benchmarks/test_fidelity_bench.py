@@ -1,0 +1,36 @@
+"""benchmarks/fidelity_bench.py --tiny: the GPU fidelity sweep's script on CPU (tiny models, one
+virtual GPU), in a subprocess with its own local Ray: every run completes its iterations, each
+call has an estimate and a measured time before and after calibration, and the table comes last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "fidelity.json").read_text())
+    assert [r["shape"]["name"] for r in results] == ["tiny-why-grpo", "tiny-ppo"]
+    for result in results:
+        assert result["iterations"] == 3 and not result["error"] and not result["oom"]
+        assert {row["call"] for row in result["calls"]} >= {"actor_gen", "ref_inf", "actor_train"}
+        for row in result["calls"]:
+            assert row["est_s"] > 0 and row["measured_s"] > 0 and row["est_after_s"] > 0 and row["held_out_s"] > 0
+            assert row["est_peak_gib"] > 0 and row["measured_peak_gib"] is None  # CPU: no memory statistics
+        assert result["errors"]["time_before"]["median"] is not None
+    table = done.stdout.strip().splitlines()
+    assert table[-4].startswith("run") and table[-2].startswith("tiny-why-grpo") and table[-1].startswith("tiny-ppo")
