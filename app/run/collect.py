@@ -31,6 +31,7 @@ from cluster.placement import WorkerGroup
 from planning.plan import Placement
 
 FAILURE_SETTLE_S = 5.0
+RESULT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: ops are dict keys while collected
@@ -45,6 +46,7 @@ class SubmittedOp:
     data_refs: dict[int, ray.ObjectRef] = field(default_factory=dict)
     placement: Placement | None = None  # where its data came from, when not the plan's (dyn_select)
     n_rows: int | None = None  # rows of its data, when not its call's (dyn_select)
+    model_free: bool = False  # runs on the worker's model-free threads, beside its GPU calls
 
     def describe(self) -> str:
         return f"{self.kind} '{self.name}' of iteration {self.iteration}"
@@ -121,18 +123,22 @@ def failure_of(workers: WorkerGroup, ops: Sequence[SubmittedOp], first: tuple[ra
 
 def first_unfinished(rank: int, ops: Sequence[SubmittedOp], reported: SubmittedOp) -> SubmittedOp:
     """The op a failed worker was running: its first op, in submission order, without a
-    successful result (each op's result gets FAILURE_SETTLE_S to arrive)."""
-    for sub in ops:
-        if rank not in sub.ranks:
-            continue
-        ref = sub.meta_refs[sub.ranks.index(rank)]
-        ready, _ = ray.wait([ref], timeout=FAILURE_SETTLE_S)
-        if not ready:
-            return sub
-        try:
-            ray.get(ref, timeout=0)
-        except RayError:
-            return sub
+    successful result. Ops on the worker's model-free threads (a rule reward beside the GPU call)
+    are named only when no GPU-thread op is unfinished: when the process dies both fail, and the
+    GPU thread's op is the one that was running in the worker's order. A result that completed
+    before the failure arrives at once even under load; RESULT_WAIT_S bounds the wait for one that
+    never will (a live worker still inside an earlier op)."""
+    mine = [sub for sub in ops if rank in sub.ranks]
+    for candidates in ([sub for sub in mine if not sub.model_free], [sub for sub in mine if sub.model_free]):
+        for sub in candidates:
+            ref = sub.meta_refs[sub.ranks.index(rank)]
+            ready, _ = ray.wait([ref], timeout=RESULT_WAIT_S)
+            if not ready:
+                return sub
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:
+                return sub
     return reported
 
 

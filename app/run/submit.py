@@ -41,6 +41,7 @@ def submit_call(workers: WorkerGroup, graph: Graph, plan: ExecutionPlan, op: Cal
     n_rows = mfc.batch.n_seqs
     spec = CallSpec(mfc.name, mfc.role, mfc.kind, placement, i, n_rows, params, plan.execution(mfc.name))
     all_rows = mfc.role != "reward" or all_reward_rows
+    options = call_options(spec)
     metas, datas = [], {}
     # Generation reads the prompts; DPO's calls read the preference pairs (graph.dataset_keys).
     reads_dataset = mfc.kind == "generate" or bool(set(mfc.input_keys) & set(graph.dataset_keys))
@@ -53,10 +54,10 @@ def submit_call(workers: WorkerGroup, graph: Graph, plan: ExecutionPlan, op: Cal
             needed = shards_needed(placement, rank, source.placement or plan[parent], parent_rows,
                                    all_rows or parent_rows != n_rows)
             args.extend(source.data_refs[o.rank] for o in needed)
-        meta_ref, data_ref = workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *args)
+        meta_ref, data_ref = workers.actor(rank).run_call.options(**options).remote(spec, *args)
         metas.append(meta_ref)
         datas[rank] = data_ref
-    return SubmittedOp(i, mfc.name, "call", op.ranks, tuple(metas), datas)
+    return SubmittedOp(i, mfc.name, "call", op.ranks, tuple(metas), datas, model_free="concurrency_group" in options)
 
 
 def submit_weights_op(workers: WorkerGroup, graph: Graph, plan: ExecutionPlan, op: Op, i: int) -> SubmittedOp:
@@ -75,8 +76,10 @@ def submit_select(workers: WorkerGroup, i: int, rank: int, gpus_per_node: int, s
     round's generation and reward shards (round, op) as one batch the later calls read."""
     refs = [(r, ref) for r, sub in shards for ref in sub.data_refs.values()]
     spec = select_call(i, rank, gpus_per_node, [r for r, _ in refs], round_rows, kept)
-    meta, data = workers.actor(rank).run_call.options(**call_options(spec)).remote(spec, *(ref for _, ref in refs))
-    return SubmittedOp(i, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement, spec.n_rows)
+    options = call_options(spec)
+    meta, data = workers.actor(rank).run_call.options(**options).remote(spec, *(ref for _, ref in refs))
+    return SubmittedOp(i, SELECT_CALL, "call", (rank,), (meta,), {rank: data}, spec.placement, spec.n_rows,
+                       model_free="concurrency_group" in options)
 
 
 def sample_rounds(submit_round: Callable[[int], tuple[SubmittedOp, SubmittedOp]],

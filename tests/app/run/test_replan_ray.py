@@ -64,7 +64,7 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
     on_gpu0 = [f"plan.manual.{call}={{mesh: 'n0:g0', layout: dp1tp1pp1}}" for call in CALLS]
     cfg = load_config(DEFAULT_CONFIG, [f"run.dir={tmp_path}", "tracking.console=false", *on_gpu0,
                                        f"run.iterations={MAX_ITERATIONS}", "plan.recalibrate_after=1",
-                                       "plan.seconds=2", "checkpoint.every=1", "batch.prompts=16"])
+                                       "plan.seconds=2", "checkpoint.every=1", "checkpoint.keep=0", "batch.prompts=16"])
     driver = Driver(cfg, tmp_path, worker_cls=ProbedWorker)
     try:
         # Calibrated after iteration 0, decided when iteration 1 is collected, applied once
