@@ -23,6 +23,7 @@ by the user) runs WHY_ITERATIONS iterations. Results: <out>/fidelity.json and a 
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import random
@@ -222,8 +223,11 @@ def start_ray(tiny: bool) -> None:
     """A local Ray of its own for the whole sweep (virtual GPU on CPU), without the dashboard."""
     import ray
 
+    # The workers import this checkout first, then whatever this process found on its own path
+    # (on the GPU host: the wheels unpacked into /tmp/site).
+    search_path = [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
-                              "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}}}
+                              "runtime_env": {"env_vars": {"PYTHONPATH": os.pathsep.join(search_path)}}}
     if tiny:
         kwargs.update(num_cpus=2, num_gpus=1)
     ray.init(**kwargs)

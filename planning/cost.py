@@ -16,7 +16,7 @@ FLOPs); sampling every step; plus the communication each parallel dimension impl
 * dp (train): ZeRO-1 gradient reduce-scatter + parameter all-gather per optimizer step, over
   NVLink or the NIC depending on whether the dp group spans nodes.
 
-Memory: bf16 weights, bf16 gradients, fp32 master + Adam m, v (12 bytes/param) sharded over dp,
+Memory: bf16 weights, fp32 gradients while training, fp32 master + Adam m, v (12 bytes/param) sharded over dp,
 activations of the micro-batches in flight (no recomputation), KV cache for generation. A call
 that does not fit is infeasible (with a reason), never merely slow. Each call has memory
 levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (enough for the
@@ -332,8 +332,9 @@ def _forward_backward(
         forward = _pass_time(geo, layout, links, all_seqs * seq_len, n_all, seq_len / 2, 1)
         parts["recompute_s"] = sum(forward.values())
     if train:
-        grad_bytes = 2.0 * geo.stage_params
-        # ZeRO-1: reduce-scatter the bf16 gradients, all-gather the updated bf16 parameters.
+        # Gradients accumulate in fp32 (the optimizer's main_grad, actors.engine.optimizer), the
+        # buffer ZeRO-1 reduce-scatters; the updated fp32 master slices are all-gathered back.
+        grad_bytes = 4.0 * geo.stage_params
         parts["dp_comm_s"] = steps * 2 * reduce_scatter_s(grad_bytes, layout.dp, links.dp_bw, links.lat)
         shard = geo.stage_params / layout.dp
         parts["optimizer_s"] = steps * (shard * OPTIMIZER_TRAFFIC_PER_PARAM / links.opt_hbm + links.hw.kernel_overhead_s)

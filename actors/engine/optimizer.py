@@ -146,20 +146,31 @@ class ShardedAdamW:
         self.slice_size = -(-total // dp)  # S: ceil(N / dp)
         self.lo = group_rank(dp_group) * self.slice_size
         device = self.params[0].device
-        # Per-element flags of this rank's slice: decay where the param is a matrix, norm where counted.
-        decay = [1.0 if p.dim() >= 2 else 0.0 for p in self.params]
-        counted = [0.0 if name in norm_excluded else 1.0 for name in self.names]
+        # Where in this rank's slice weight decay applies (matrices) and which gradient elements
+        # count in the norm, as [start, end) ranges: per-element fp32 flags would cost 8 bytes per
+        # parameter on every GPU holding the model (9.2 GiB for a 1.24B model).
+        self.decay_ranges = self._slice_ranges([p.dim() >= 2 for p in self.params])
+        self.norm_ranges = self._slice_ranges([name not in norm_excluded for name in self.names])
         self.master = torch.zeros(self.slice_size, dtype=torch.float32, device=device)
         self.reload_master()
-        self.decay_mask = self._gather_slice(self._per_element(decay), device)
-        self.norm_mask = self._gather_slice(self._per_element(counted), device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.main_grad: Tensor | None = None  # fp32 [N_pad] while gradients accumulate (fp32_accumulation)
 
-    def _per_element(self, per_param: list[float]) -> list[Tensor]:
-        """One flag per parameter -> a flat tensor per parameter filled with it."""
-        return [torch.full((p.numel(),), flag, device=p.device) for p, flag in zip(self.params, per_param)]
+    def _slice_ranges(self, selected: list[bool]) -> list[tuple[int, int]]:
+        """[start, end) ranges of this rank's slice covered by the selected parameters, adjacent
+        ones merged (in slice coordinates, clipped to the slice)."""
+        ranges: list[tuple[int, int]] = []
+        hi = self.lo + self.slice_size
+        for p, offset, chosen in zip(self.params, self.offsets, selected):
+            start, end = max(offset, self.lo) - self.lo, min(offset + p.numel(), hi) - self.lo
+            if not chosen or start >= end:
+                continue
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+        return ranges
 
     def _gather_slice(self, flats: list[Tensor], device: torch.device) -> Tensor:
         """fp32 [S]: elements [lo, lo + S) of the concatenation of `flats` (zeros past N)."""
@@ -213,9 +224,11 @@ class ShardedAdamW:
     def reduced_grad(self) -> Tensor:
         """fp32 [S]: this rank's slice of the gradient summed over dp (before grad_scale)."""
         dp = group_size(self.dp_group)
-        flat = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
-        if self.main_grad is not None:
-            flat.copy_(self.main_grad)
+        # The fp32 accumulation buffer is the flat gradient itself (no second [N_pad] copy);
+        # the optimizer drops it here, so it does not stay allocated between calls.
+        flat, self.main_grad = self.main_grad, None
+        if flat is None:
+            flat = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.master.device)
         for p, offset in zip(self.params, self.offsets):
             if p.grad is not None:
                 flat[offset:offset + p.numel()] += p.grad.flatten()
@@ -239,7 +252,8 @@ class ShardedAdamW:
 
     def global_grad_norm(self, grad_slice: Tensor) -> float:
         """L2 norm of the whole model's gradient from each rank's slice (counted-once mask)."""
-        sumsq = (grad_slice.square() * self.norm_mask).sum()
+        parts = [grad_slice[start:end].square().sum() for start, end in self.norm_ranges]
+        sumsq = torch.stack(parts).sum() if parts else grad_slice.new_zeros(())
         if group_size(self.norm_group) > 1:
             dist.all_reduce(sumsq, group=self.norm_group)
         return float(sumsq.sqrt())
@@ -327,7 +341,8 @@ class ShardedAdamW:
         self.exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay * self.decay_mask)
+            for start, end in self.decay_ranges:
+                self.master[start:end].mul_(1.0 - lr * self.config.weight_decay)
         bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.config.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)

@@ -168,7 +168,7 @@ def test_resident_weights_squeeze_a_call_into_a_slower_level() -> None:
 
 def _disjoint_plan() -> ExecutionPlan:
     """Generation alone on GPUs 0-3; every other call (actor_inf with actor_train) on GPUs 4-7."""
-    rest = _at(4, 4, "dp2tp2")
+    rest = _at(4, 4, "dp1tp4")
     return _plan(actor_gen=_at(0, 4, "dp1tp4"), **{n: rest for n in ("rew_inf", "ref_inf", "critic_inf",
                                                                          "actor_train", "critic_train")})
 

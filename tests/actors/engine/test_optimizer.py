@@ -74,8 +74,15 @@ def test_bf16_gradients_accumulate_over_micro_batches_in_fp32() -> None:
 
 def test_train_step_uses_the_fp32_buffer_and_fp32_parameters_keep_their_grad() -> None:
     engine, batch = engine_and_batch()
+    optimizer = engine.optimizer
+    with optimizer.fp32_accumulation():
+        engine.backward_step(batch, loss_fn, N_MICRO, grad_of=optimizer.grad_of)
+    assert optimizer.main_grad is not None and optimizer.main_grad.dtype == torch.float32
+    assert optimizer.step()["grad_norm"] > 0
+    # The step consumes the buffer: nothing of it stays allocated until the next train call.
+    assert optimizer.main_grad is None and not any(p.grad is not None for p in engine.model.parameters())
     metrics = engine.train_step(batch, loss_fn, N_MICRO)
-    assert metrics["grad_norm"] > 0 and engine.optimizer.main_grad is not None
+    assert metrics["grad_norm"] > 0 and optimizer.main_grad is None
     groups = ParallelGroups(Layout(), 0, 0, 0, None, None, None, None, None, (0,), (0,))
     full = ModelEngine(SPEC, False, groups, "cpu", dtype=torch.float32, seed=0, optim_config=AdamWConfig(lr=0.0))
     full.train_step(batch, loss_fn, N_MICRO)
