@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from actors.engine import ParallelGroups
+from actors.engine import ParallelGroups, world_timeout
 from cluster.placement import WorkerGroup
 from planning.layout import Layout, Mesh
 from planning.plan import ExecutionPlan
@@ -140,12 +140,13 @@ def create_process_groups(groups: Sequence[GroupRanks]) -> dict[GroupRanks, Proc
     """
     me, world = dist.get_rank(), dist.get_world_size()
     everyone = tuple(range(world))
+    timeout = world_timeout()  # the world's collective timeout for every group (torch: 30 min)
     mapping: dict[GroupRanks, ProcessGroup | None] = {}
     for group in groups:
         if group == everyone:
             mapping[group] = dist.group.WORLD
             continue
-        handle = dist.new_group(list(group))
+        handle = dist.new_group(list(group), timeout=timeout)
         mapping[group] = handle if me in group else None
     return mapping
 

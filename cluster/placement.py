@@ -12,7 +12,10 @@ The global rank of a worker equals its global GPU index, so a mesh's GPUs are th
 those ranks; its `WorkerSlot` also records the Ray node id and IP (to name a lost node).
 
 The worker class is any plain Python class; `ray.remote` is applied here. On real GPUs Ray sets
-CUDA_VISIBLE_DEVICES per actor, so a worker always computes on `cuda:0`.
+CUDA_VISIBLE_DEVICES per actor, so a worker always computes on `cuda:0`. Each actor runs its
+methods one at a time on one thread, plus a second concurrency group, `MONITOR_GROUP`, of one
+thread: a method called with `.options(concurrency_group=MONITOR_GROUP)` (the driver's
+`progress` probe of a stalled call) answers while the worker is busy.
 
 `WorkerGroup` submits a method to a subset of ranks and returns the ObjectRefs; `get` waits for
 them and, when a worker raises, raises `WorkerCallError` naming the worker, its rank and method.
@@ -35,6 +38,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.resources import RayNode, cpu_slot_node, gpu_nodes, select_nodes
 from planning.layout import ClusterSpec
+
+MONITOR_GROUP = "monitor"
 
 # Env vars every worker gets: NVLink SHARP / multicast stays off (the lent H200 hosts do not
 # support it, and NCCL, torch symmetric memory and NVSHMEM would otherwise try it and fail).
@@ -245,7 +250,7 @@ def create_workers(
         raise ValueError(f"{len(nodes)} Ray nodes given for a cluster of {cluster_spec.nodes} nodes")
     groups = reserve_nodes(cluster_spec, nodes, cpus_per_worker, name_prefix, ready_timeout_s, gpus_per_worker)
     env = worker_env_vars(env_vars)
-    remote_cls = ray.remote(concurrency_groups=dict(concurrency_groups))(cls) if concurrency_groups else ray.remote(cls)
+    remote_cls = ray.remote(concurrency_groups={MONITOR_GROUP: 1, **(concurrency_groups or {})})(cls)
     actors, slots = [], []
     for node, (group, ray_node) in enumerate(zip(groups, nodes)):
         for local in range(cluster_spec.gpus_per_node):

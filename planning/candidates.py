@@ -15,7 +15,11 @@ size. Pruning, per call:
    fastest time (a small call may be slow on few GPUs if it runs concurrently), then keep the
    `max_classes` fastest;
 6. add back the classes kept for the same role's train call (when they are feasible here), so a
-   call may share the train placement and skip the reallocation.
+   call may share the train placement and skip the reallocation;
+7. expand each class to at most `max_positions` positions, evenly spread over the cluster
+   (always the first): on a big cluster every size-1 mesh of every GPU would make the search's
+   precomputation alone outgrow its budget (100,000 GPUs: minutes), and positions of one class
+   differ only in which calls they share GPUs with.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from planning.cost import PlanningProblem
 from planning.dataflow import MFC
-from planning.layout import Layout, Mesh
+from planning.layout import ClusterSpec, Layout, Mesh
 from planning.plan import Placement
 from planning.plan_space import CallCostCache
 
@@ -38,9 +42,10 @@ class CandidateOptions:
     max_classes: int = 64
     max_sizes: int = 16
     drop_dominated: bool = True
+    max_positions: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("layouts_per_size", "max_classes", "max_sizes"):
+        for name in ("layouts_per_size", "max_classes", "max_sizes", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CandidateOptions.{name}={getattr(self, name)}: must be >= 1")
         if self.max_slowdown < 1.0:
@@ -51,11 +56,30 @@ class CandidateOptions:
 PlacementClass = tuple[int, Layout, float]
 
 
-def meshes_by_size(problem: PlanningProblem) -> dict[int, list[Mesh]]:
-    """Every legal mesh of the cluster grouped by size, positions in increasing order."""
-    out: dict[int, list[Mesh]] = {}
-    for mesh in problem.cluster.meshes:
-        out.setdefault(mesh.size, []).append(mesh)
+def mesh_starts(cluster: ClusterSpec) -> dict[int, range]:
+    """Per legal mesh size (smallest first), the starting GPUs of its meshes in increasing order
+    (the positions of `ClusterSpec.meshes`, without building every Mesh of a big cluster)."""
+    m = cluster.gpus_per_node
+    out: dict[int, range] = {}
+    size = 1
+    while size < m:
+        if m % size == 0:
+            out[size] = range(0, cluster.n_gpus, size)
+        size *= 2
+    for n in range(1, cluster.nodes + 1):
+        out[n * m] = range(0, (cluster.nodes - n + 1) * m, m)
+    return out
+
+
+def meshes_by_size(problem: PlanningProblem, limit: int | None = None) -> dict[int, list[Mesh]]:
+    """Legal meshes of the cluster grouped by size, positions in increasing order: all of them,
+    or at most `limit` per size, evenly spread (the first always kept)."""
+    m = problem.cluster.gpus_per_node
+    out = {}
+    for size, starts in mesh_starts(problem.cluster).items():
+        count = len(starts) if limit is None else min(limit, len(starts))
+        picked = [starts[k * len(starts) // count] for k in range(count)]
+        out[size] = [Mesh(start, size, m) for start in picked]
     return out
 
 
@@ -63,7 +87,7 @@ def feasible_classes(problem: PlanningProblem, mfc: MFC, costs: CallCostCache) -
     """Every feasible (size, layout, seconds) of a call, fastest first, and the reasons of the rest."""
     classes: list[PlacementClass] = []
     reasons: list[str] = []
-    for size, meshes in meshes_by_size(problem).items():
+    for size, meshes in meshes_by_size(problem, limit=1).items():
         mesh = meshes[0]
         for layout in problem.cluster.layouts_for(mesh):
             cost = costs.cost(mfc.name, Placement(mesh, layout))
@@ -127,7 +151,7 @@ def call_candidates(
     m = problem.cluster.gpus_per_node
     kept = {name: prune_classes(classes, options, m, slowest_call_s) for name, classes in feasible.items()}
     train_of = {m.role: m.name for m in graph.mfcs if m.kind == "train"}
-    by_size = meshes_by_size(problem)
+    by_size = meshes_by_size(problem, options.max_positions)
     out: list[list[Placement]] = []
     for mfc in graph.mfcs:
         classes = list(kept[mfc.name])

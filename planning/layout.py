@@ -10,6 +10,7 @@ Everything here is pure Python, frozen and hashable, so plans can be cached and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -204,4 +205,6 @@ class ClusterSpec:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n in increasing order (O(sqrt n): big clusters have big meshes)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

@@ -27,7 +27,9 @@ point of the chain.
 
 Everything random goes through one `random.Random(seed)`. The budget `seconds` bounds the
 MCMC's wall time, so results with the same seed agree as long as the chain does not run out of
-time at different steps; `max_steps` makes a run exactly reproducible.
+time at different steps; `max_steps` makes a run exactly reproducible. The budget holds at any
+cluster size: candidates are capped in positions (`CandidateOptions.max_positions`) and the
+final re-scoring stops at the deadline once it has a feasible plan.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def search_plan(
     else:
         chain = _Chain(fast, random.Random(seed), begin, seconds, max_steps, elites)
         evaluated, history = chain.run(_initial_states(fast, baseline_plan, start))
-    state, best_s = _rescore(exact, elites.states())
+    state, best_s = _rescore(exact, elites.states(), begin + seconds)
     if state is None:
         raise ValueError(f"search found no feasible plan among {evaluated} evaluated (memory or reallocation limits)")
     history.append((time.perf_counter() - begin, best_s))
@@ -178,10 +180,13 @@ class _Elites:
         return [list(state) for state, _ in ranked]
 
 
-def _rescore(exact: PlanSpace, states: list[list[int]]) -> tuple[list[int] | None, float]:
-    """The state with the lowest exact iteration time, or (None, inf) when none is feasible."""
+def _rescore(exact: PlanSpace, states: list[list[int]], deadline: float = math.inf) -> tuple[list[int] | None, float]:
+    """The state with the lowest exact iteration time, or (None, inf) when none is feasible.
+    Past `deadline` it stops at the first feasible one (states come best first)."""
     best: tuple[float, list[int]] | None = None
     for state in states:
+        if best is not None and time.perf_counter() >= deadline:
+            break
         seconds, reason = exact.evaluate(state)
         if not reason and (best is None or seconds < best[0]):
             best = (seconds, state)

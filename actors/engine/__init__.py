@@ -24,11 +24,17 @@ from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
 from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, adamw_config_from
 from actors.engine.packing import PackedBatch, pack_sequences
 from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
-from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world
+from actors.engine.process_groups import (
+    ParallelGroups,
+    build_parallel_groups,
+    free_port,
+    init_local_world,
+    world_timeout,
+)
 
 __all__ = [
     # process_groups.py
-    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world",
+    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world", "world_timeout",
     # packing.py
     "PackedBatch", "pack_sequences",
     # attention.py

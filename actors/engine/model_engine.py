@@ -26,6 +26,7 @@ global count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -232,13 +233,15 @@ class ModelEngine:
                    with_entropy: bool = False, shift_values: bool = True,
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """One optimizer step on `batch`; returns loss, statistics, grad_norm and lr. Gradients of
-        bf16/fp16 parameters are summed over micro-batches in fp32 (the optimizer's main_grad)."""
+        bf16/fp16 parameters are summed over micro-batches in fp32 (the optimizer's main_grad).
+        A non-finite loss (the same on every rank: reduced over the mesh) skips the update."""
         optimizer = self.optimizer
         optimizer.zero_grad()
         with optimizer.fp32_accumulation():
             metrics, count = self.backward_step(batch, loss_fn, n_micro, temperature, with_entropy, shift_values,
                                                 micro_batch_tokens, optimizer.grad_of)
-        metrics.update(optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0))
+        finite = math.isfinite(metrics["loss"])
+        metrics.update(optimizer.step(grad_scale=1.0 / count if count > 0 else 0.0, skip=not finite))
         return metrics
 
     # ---- inference ---------------------------------------------------------------------------------

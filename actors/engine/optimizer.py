@@ -259,15 +259,17 @@ class ShardedAdamW:
         return float(sumsq.sqrt())
 
     @torch.no_grad()
-    def step(self, grad_scale: float = 1.0) -> dict[str, float]:
+    def step(self, grad_scale: float = 1.0, skip: bool = False) -> dict[str, float]:
         """One AdamW step from the parameters' .grad; returns {"grad_norm", "lr", "skipped"}.
 
-        A non-finite gradient norm skips the update on every rank (they all see the same norm).
+        A non-finite gradient norm skips the update on every rank (they all see the same norm);
+        so does `skip` (the engine passes it for a non-finite loss, which is the same on every
+        rank too). A skipped step leaves weights, moments and the step count untouched.
         """
         grad = self.reduced_grad().mul_(grad_scale)
         norm = self.global_grad_norm(grad)
         lr = lr_at(self.config, self.steps_done)
-        if not math.isfinite(norm):
+        if skip or not math.isfinite(norm):
             return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
         if self.config.max_grad_norm is not None and norm > self.config.max_grad_norm:
             grad.mul_(self.config.max_grad_norm / (norm + 1e-6))
@@ -302,6 +304,35 @@ class ShardedAdamW:
             raise ValueError(f"ShardedAdamW.load_full_state({key!r}): missing parameters {missing[:4]}")
         flats = [state[name].to(device=self.master.device, dtype=torch.float32).flatten() for name in self.names]
         getattr(self, key).copy_(self._gather_slice(flats, self.master.device))
+
+    STATE_KINDS = OPTIMIZER_STATE_KEYS
+
+    @torch.no_grad()
+    def per_parameter_state(self) -> dict[str, dict[str, Tensor]]:
+        """The fp32 master weights and AdamW moments as per-parameter tensors of this shard:
+        {kind: {name: fp32 tensor shaped like the parameter}} for kind in STATE_KINDS (collective
+        over dp, `full_state`). Keyed by HF name like the weights, a checkpoint of them can be
+        resharded onto another layout by the reallocation planner."""
+        return {kind: self.full_state(kind) for kind in self.STATE_KINDS}
+
+    @torch.no_grad()
+    def load_per_parameter_state(self, state: dict[str, dict[str, Tensor]], steps_done: int) -> None:
+        """Take this rank's [S] slices of master, exp_avg and exp_avg_sq from per-parameter
+        tensors of the whole shard (as `per_parameter_state` returns them, for this layout) and
+        the step count of the LR schedule and bias corrections. The parameters are not touched."""
+        if steps_done < 0:
+            raise ValueError(f"steps_done={steps_done}: must be >= 0")
+        for kind in self.STATE_KINDS:
+            given = state.get(kind, {})
+            missing = [name for name in self.names if name not in given]
+            if missing:
+                raise ValueError(f"optimizer state {kind!r}: no tensor for {missing[:3]} ({len(missing)} missing)")
+            for name, p in zip(self.names, self.params):
+                if tuple(given[name].shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer state {kind}/{name}: shape {tuple(given[name].shape)}, the "
+                                     f"parameter's is {tuple(p.shape)}")
+            self.load_full_state(kind, given)
+        self.steps_done = steps_done
 
     def _adamw_update(self, grad: Tensor, lr: float) -> None:
         """Update master/m/v [S] in place (torch.optim.AdamW's arithmetic, per-element decay)."""

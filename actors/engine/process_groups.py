@@ -11,7 +11,8 @@ so a serial model runs the same code path without communication.
 
 `build_parallel_groups` must be called by every rank of the default world in the same order
 (torch's `new_group` is collective over the world), including ranks outside the mesh, which
-get None back.
+get None back. Every group gets the world's collective timeout (`world_timeout`): torch would
+otherwise give each new group its own default of 30 minutes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -88,6 +90,19 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def world_timeout() -> timedelta | None:
+    """The collective timeout of the default (world) group, which every group we create shares;
+    None without a world (or where torch does not expose it: new groups then get its default)."""
+    if not dist.is_initialized():
+        return None
+    for device in ("cpu", "cuda"):
+        try:  # torch keeps it on the backend's options; there is no public getter
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def build_parallel_groups(layout: Layout, mesh_ranks: list[int] | None = None) -> ParallelGroups | None:
     """Create the process groups of `layout` on the mesh of global ranks `mesh_ranks`.
 
@@ -103,12 +118,13 @@ def build_parallel_groups(layout: Layout, mesh_ranks: list[int] | None = None) -
         raise ValueError(f"mesh_ranks={ranks}: must be distinct ranks in [0, {world})")
     me = dist.get_rank()
     mine: dict[str, ProcessGroup | None] = {}
+    timeout = world_timeout()
 
     def make(kind: str, members: list[int]) -> None:
         # Size-1 groups are skipped on every rank alike, so creation order stays identical.
         if len(members) < 2:
             return
-        group = dist.new_group(members)
+        group = dist.new_group(members, timeout=timeout)
         if me in members:
             mine[kind] = group
 
@@ -189,5 +205,5 @@ def init_gloo_world(rank: int, world_size: int, port: int, threads: int = 1) -> 
 
 __all__ = [
     "ParallelGroups", "build_parallel_groups", "destroy_parallel_groups", "free_port", "group_rank",
-    "group_size", "init_gloo_world", "init_local_world",
+    "group_size", "init_gloo_world", "init_local_world", "world_timeout",
 ]

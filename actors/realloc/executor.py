@@ -47,11 +47,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from actors.engine import world_timeout
 from actors.kernels import PROGRAMS as COPY_PROGRAMS
 from actors.kernels import triton_on
 from actors.realloc.buffers import Staging, copy_pairs, pack, unpack, write_runs
@@ -98,7 +100,9 @@ class ReallocGroups:
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], ProcessGroup | None] = {}
 
-    def ensure(self, member_sets: Iterable[Sequence[int]]) -> None:
+    def ensure(self, member_sets: Iterable[Sequence[int]], timeout: timedelta | None = None) -> None:
+        """Create the missing groups; `timeout` bounds their collectives (None: the world's, see
+        actors.engine.world_timeout)."""
         world = dist.get_world_size()
         missing: set[tuple[int, ...]] = set()
         for members in member_sets:
@@ -108,8 +112,9 @@ class ReallocGroups:
             if key not in self._groups:
                 missing.add(key)
         me = dist.get_rank()
+        timeout = timeout if timeout is not None else world_timeout()
         for key in sorted(missing):
-            group = dist.new_group(list(key))
+            group = dist.new_group(list(key), timeout=timeout)
             self._groups[key] = group if me in key else None
 
     def get(self, members: Sequence[int]) -> ProcessGroup:

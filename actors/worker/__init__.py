@@ -4,6 +4,7 @@ ops, and the profiler that measures this machine for the cost model.
 May import every other package of actors/ (the top layer), never ray, cluster or app.
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
+  guards       reward functions under a time limit; non-finite rewards, losses, gradient norms
   memory       the peak GPU memory of each call (a probe reset before it, read after it)
   execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
@@ -13,6 +14,8 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   outcome_train  the group-based outcome algorithms' actor op: GRPO, RLOO, REINFORCE++, DAPO, GSPO
   select       the select_rows op: chosen rows of several calls' shards as one batch (dynamic sampling)
   rehome       a trained model's home moved to another placement, weights and optimizer state
+  state        a trained model's checkpoint state per shard, loaded under any layout
+  progress     where the call thread of a busy worker is (for stall reports)
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements

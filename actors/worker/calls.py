@@ -48,9 +48,9 @@ from actors.worker.data import (
     make_shard,
     merge_shards,
     pack_rows,
-    reward_score,
 )
 from actors.worker.execution import MicroBatching, generate_in_rounds, generation_rounds, plan_micro_batching
+from actors.worker.guards import score_rows
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from planning.plan import CallExecution, Placement, check_execution_kind
 
@@ -266,7 +266,8 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
         texts[key] = decode_rows(tokenizer, cols[ids_key])
     answers = cols.get("answer", [None] * len(rows))
     name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-    scores = [reward_score(fn(q, r, a), str(name)) for q, r, a in zip(texts["prompt"], texts["response"], answers)]
+    scores = score_rows(fn, str(name), texts["prompt"], texts["response"], answers, rows.start, ctx.call.name,
+                        ctx.call.iteration, p)
     out_key = str(p.get("out_key", "rewards"))
     return _shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
 

@@ -73,8 +73,10 @@ from actors.worker.models import (
     unbind_shards,
 )
 from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
+from actors.worker.progress import activity
 from actors.worker.rehome import move_trained_home
 from actors.worker.select import run_select_rows
+from actors.worker.state import load_rng_state, load_role_state, save_rng_state, save_role_state
 from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
@@ -114,6 +116,7 @@ class ModelWorker:
         # Peak memory of each call (None on CPU); a subclass may install another probe.
         self.memory_probe: MemoryProbe = memory_probe_for(self.device)
         self._groups = ReallocGroups()
+        self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}
         self._parallel: dict[Placement, ParallelGroups] = {}
         # Reallocation plans by (spec, critic, src, dst): a plan is a pure function of these, and the
@@ -148,15 +151,16 @@ class ModelWorker:
             torch.cuda.set_device(self.device)
             kwargs["device_id"] = self.device
         host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        self._timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
+                                world_size=self.world_size, timeout=self._timeout, **kwargs)
         # Point-to-point reallocation uses the world group: its communicator must exist everywhere.
         dist.barrier()
 
     def ensure_groups(self, member_sets: list[tuple[int, ...]]) -> None:
         """Create every missing group (collective over the world: all ranks, the same list)."""
         sets = [tuple(sorted(set(int(r) for r in s))) for s in member_sets]
-        self._groups.ensure([s for s in sets if len(s) > 1])
+        self._groups.ensure([s for s in sets if len(s) > 1], timeout=self._timeout)
 
     def _lookup(self, members: list[int]) -> ProcessGroup | None:
         key = tuple(sorted(set(members)))
@@ -401,6 +405,37 @@ class ModelWorker:
         held = ", ".join(f"{p.mesh}/{p.layout}" for p in state.copies.placements) or "none"
         raise ValueError(f"call {call.name}: rank {self.rank} holds no copy of {call.role} under "
                          f"{placement.mesh}/{placement.layout} (held: {held}); reallocate it there first")
+
+    # ---- checkpoint state (actors.worker.state): home mesh ranks; rng: every rank ------------------
+    def save_state(self, role: str, out_dir: str) -> dict[str, Any]:
+        """Write a trained role's home shard: weights, fp32 master, AdamW moments, step count."""
+        state, home = self._trained_home(role)
+        return {"role": role, "rank": self.rank, **save_role_state(state.engines[home], out_dir)}
+
+    def load_state(self, role: str, state_dir: str, saved: Placement) -> dict[str, Any]:
+        """Overwrite a trained role's home shard (after `load_model`) with the state saved under
+        `saved`, resharded to this layout by the reallocation plan."""
+        state, home = self._trained_home(role)
+        engine = state.engines[home]
+        return {"role": role, "rank": self.rank,
+                **load_role_state(engine, state.spec, state.critic, saved, home, self.rank, state_dir)}
+
+    def _trained_home(self, role: str) -> tuple[RoleState, Placement]:
+        state = self._role(role)
+        home = home_of(state)
+        if not state.trainable or home is None:
+            raise ValueError(f"rank {self.rank} holds no trained home copy of {role!r}")
+        return state, home
+
+    def save_rng_state(self, out_dir: str) -> str:
+        return save_rng_state(out_dir, self.rank)
+
+    def load_rng_state(self, in_dir: str) -> bool:
+        return load_rng_state(in_dir, self.rank)
+
+    def progress(self) -> dict[str, Any]:
+        """Where this worker's call thread is, answered from a second thread (for stall reports)."""
+        return {"rank": self.rank, **activity(self)}
 
     # ---- export -------------------------------------------------------------------------------------
     def export(self, role: str, out_dir: str) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from actors.worker.behaviour import (
 )
 from actors.worker.calls import CallContext, micro_batching
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
+from actors.worker.guards import check_update
 
 
 @dataclass(frozen=True)
@@ -181,11 +182,12 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     temperature = float(ctx.params.get("temperature", 1.0))
     mb = micro_batching(ctx)
     totals: dict[str, float] = {}
-    steps = 0
+    steps, skipped = 0, 0.0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in minibatch_rows(ctx, len(batch.lengths), epoch):
             metrics = engine.train_step(select_rows(batch, rows), loss_fn, mb.n_micro, temperature, with_entropy,
                                         micro_batch_tokens=mb.tokens)
+            skipped += check_update(metrics, ctx.call.name, ctx.call.iteration, ctx.params)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
             steps += 1
@@ -195,6 +197,7 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
            if key not in ("count", "loss")}
     out[f"{prefix}/loss"] = totals.get("loss", 0.0) / steps
     out[f"{prefix}/optimizer_steps"] = float(steps)
+    out[f"{prefix}/skipped_updates"] = skipped
     return out
 
 
@@ -365,16 +368,18 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
     temperature = float(ctx.params.get("temperature", 1.0))
     mb = micro_batching(ctx)
     totals: dict[str, float] = {}
-    steps = 0
+    steps, skipped = 0, 0.0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in pair_minibatches(ctx, len(batch.lengths) // 2, epoch):
             minibatch = replace(select_rows(batch, rows), group_size=2)
-            metrics = engine.train_step(minibatch, loss_fn, mb.n_micro, temperature, micro_batch_tokens=mb.tokens)
-            for key, value in metrics.items():
+            step_metrics = engine.train_step(minibatch, loss_fn, mb.n_micro, temperature, micro_batch_tokens=mb.tokens)
+            skipped += check_update(step_metrics, ctx.call.name, ctx.call.iteration, ctx.params)
+            for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
             steps += 1
     metrics = {f"actor/{key}": value / steps for key, value in totals.items() if key != "count"}
     metrics["actor/optimizer_steps"] = float(steps)
+    metrics["actor/skipped_updates"] = skipped
     metrics["actor/pairs"] = float(len(batch.lengths) // 2)
     # Answer tokens per sequence (the driver's throughput counts them like generated tokens).
     metrics["rollout/response_length_mean"] = float(batch.token_data["mask"].sum()) / len(batch.lengths)

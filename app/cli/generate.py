@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.cli.inputs import checkpoint_and_layout
+from app.cli.inputs import check_at_least, check_inputs, check_sampling, checkpoint_and_layout
 from app.data import read_text_column
 from planning.layout import Layout
 from planning.models import ModelSpec
@@ -57,17 +57,21 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, tokenize, generate (in this process or in one process per rank), write."""
+    """Validate (before torch or any worker starts), tokenize, generate (in this process or in one
+    process per rank), write."""
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_at_least("--batch-size", args.batch_size, 1)
+    check_at_least("--seed", args.seed, 0)
+    out_path = check_inputs(args.data, args.out)
+    model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
+    prompts = read_text_column(args.data, "prompt")
+
     import torch
     from transformers import AutoTokenizer
 
     from actors.generation import SamplingParams
 
-    model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
-    out_path = Path(args.out)
-    prompts = read_text_column(args.data, "prompt")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size={args.batch_size}: must be >= 1")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     device = args.device
     if device == "auto":

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.config import check_out_path
 from planning.cost_terms import OpEfficiency
 from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset
@@ -102,6 +103,7 @@ def default_preset(device_name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, measure, print the table, write the JSON."""
+    check_out_path("--out", args.out)  # before minutes of measuring
     import torch
 
     from actors.worker import ProfileSettings

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from app.cli.inputs import checkpoint_and_layout
+from app.cli.inputs import check_at_least, check_inputs, checkpoint_and_layout
 from app.data import read_text_column
 from planning.layout import Layout
 from planning.models import ModelSpec
@@ -37,13 +36,15 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate everything before Ray starts, then score in batches and write the results."""
-    from transformers import AutoTokenizer
-
+    check_at_least("--batch-size", args.batch_size, 1)
+    out_path = check_inputs(args.data, args.out)
     model_dir, spec, layout = checkpoint_and_layout(args.model, args.layout)
-    out_path = Path(args.out)
     texts = read_text_column(args.data, "text")
     if args.batch_size < layout.dp:
         raise ValueError(f"--batch-size={args.batch_size}: must be >= dp={layout.dp}")
+
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokens = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
     logprobs = score_tokens(str(model_dir), spec, layout, tokens, args.batch_size)

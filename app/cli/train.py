@@ -6,12 +6,16 @@ Without CONFIG it runs the embedded default, examples/ppo-tiny.yaml (tiny actor 
 virtual GPUs, the toy task).
 
 A config that cannot run (unknown field, cluster too small for the models or for the Ray
-cluster, unknown reward function, dataset rows without the prompt field) fails before any
-worker starts: exit status 2 and one `error:` line. A run that fails later (a worker died, a
-collective stalled) exits with status 1 and an `error:` line naming the call and the worker;
-what the run directory holds by then stays valid.
+cluster, unknown reward function, dataset rows without the prompt field, a model directory
+without readable weights, a run directory that holds another run) fails before any worker
+starts: exit status 2 and one `error:` line. A worker that dies or stalls is recovered from
+(all workers restarted, the run resumed from its last complete checkpoint, up to
+`run.max_restarts` times); a run that fails for good exits with status 1 and an `error:` line
+naming the call, the worker and the cause; what the run directory holds by then stays valid.
 
 Run directory: `run.dir`, default `runs/<run.name>-<YYYYmmdd-HHMMSS>`; `--run-dir` overrides it.
+It holds one run: `run.resume=auto` continues it from its latest complete checkpoint (metrics
+appended without duplicates), `run.resume=PATH` from that checkpoint.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def resolve_run_dir(cfg: ExperimentConfig, now: float | None = None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Check everything that can be checked without workers, then train. See the module docstring."""
-    from app.run import Driver, DriverError, preflight
+    from app.run import Driver, DriverError, check_run_dir, preflight
 
     config, overrides = args.config, list(args.overrides)
     if "=" in config and not Path(config).is_file():  # `train key=value ...`: the default config
@@ -66,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     inputs = preflight(cfg)  # ConfigError -> status 2, before Ray or any worker starts
     run_dir = resolve_run_dir(cfg)
+    checkpoint = check_run_dir(run_dir, cfg.run.resume)  # a directory holding another run, a bad resume
     print(f"run directory: {run_dir}", flush=True)
+    if cfg.run.resume is not None:
+        print(f"resuming from {checkpoint or 'iteration 0 (no complete checkpoint yet)'}", flush=True)
     try:
         driver = Driver(cfg, run_dir, inputs=inputs)
         history = driver.run()

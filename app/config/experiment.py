@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.config.checks import check_training_fields
+from app.config.files import load_yaml, read_utf8
 from app.config.sections import (
     CheckpointConfig,
     DAPOConfig,
@@ -34,6 +35,9 @@ from app.config.sections import (
 from planning.hardware import HARDWARE_PRESETS
 from planning.layout import Layout
 from planning.models import MODEL_PRESETS
+
+MAX_PLAN_SECONDS = 3600.0  # a search budget beyond an hour is a typo (1e9 ran until killed)
+MAX_TIMEOUT_S = 86400.0
 
 
 class ConfigError(ValueError):
@@ -150,7 +154,7 @@ class PlanConfig(_Section):
     """
 
     mode: Literal["search", "exhaustive", "heuristic", "manual"] = "search"
-    seconds: float = Field(60.0, gt=0)
+    seconds: float = Field(60.0, gt=0, le=MAX_PLAN_SECONDS)
     seed: int = 0
     profile: str | None = None
     manual: dict[str, ManualPlacement] | None = None
@@ -162,8 +166,16 @@ class PlanConfig(_Section):
 class RunConfig(_Section):
     """Name of the run, its directory (None: runs/<name>-<time>), training length and timeouts.
 
-    call_timeout_s: the driver gives up on a call (naming it and its workers) after this long;
-    collective_timeout_s: torch.distributed timeout, so a stalled collective raises in the worker.
+    call_timeout_s: a call that makes no progress for this long is a stall (the driver names
+    the rank that stopped, then restarts the workers); collective_timeout_s: the
+    torch.distributed timeout of every process group, so a collective waiting on a dead peer
+    raises in the worker. resume: "auto" continues the run in run.dir from its latest complete
+    checkpoint (a fresh start when there is none), or a checkpoint directory to continue from;
+    None starts a new run (in a directory that holds none). max_restarts: how often a dead or
+    stalled worker is recovered from (restart all workers, resume from the last complete
+    checkpoint) before the run fails. on_nonfinite: "stop" ends the run at a NaN/inf reward,
+    loss or gradient norm, naming it; "skip" skips that update and counts it
+    (<role>/skipped_updates).
     max_staleness: k; generation of iteration i + k + 1 starts from the weights after training
     iteration i (0: on-policy), so generation may run beside training (app.run.staleness).
     """
@@ -172,8 +184,11 @@ class RunConfig(_Section):
     dir: str | None = None
     iterations: int = Field(40, ge=1)
     seed: int = 0
-    call_timeout_s: float = Field(600.0, gt=0)
-    collective_timeout_s: float = Field(300.0, gt=0)
+    call_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
+    collective_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)
+    resume: str | None = None
+    max_restarts: int = Field(3, ge=0)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
     max_staleness: int = Field(0, ge=0)
 
 
@@ -208,7 +223,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     if not path.is_file():
         raise ConfigError("config", str(path), "an existing YAML file", problem="no such file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(read_utf8(path))  # duplicate keys and non-UTF-8 bytes name their line
+    except ValueError as exc:
+        raise ConfigError("config", str(path), "a UTF-8 YAML file", problem=str(exc)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""

@@ -46,9 +46,11 @@ class DataConfig(TrainSection):
 
 class RewardConfig(TrainSection):
     """Rule-based reward `module:function` (or `file.py:function`); null uses the reward model
-    (models.reward, defaulting to the critic's shape) as a learned reward instead."""
+    (models.reward, defaulting to the critic's shape) as a learned reward instead. timeout_s:
+    a call of the function (one response) taking longer ends the run, naming the sample."""
 
     function: str | None = "app.data.rewards:toy_reward"
+    timeout_s: float = Field(30.0, gt=0.0, le=3600.0)  # the longest one call of the function may take
 
 
 class SamplingConfig(TrainSection):
@@ -81,8 +83,8 @@ class PPOConfig(TrainSection):
     rollout_is_threshold.
     """
 
-    actor_lr: float = Field(1e-5, gt=0.0)
-    critic_lr: float = Field(5e-5, gt=0.0)
+    actor_lr: float = Field(1e-5, gt=0.0, le=1.0)
+    critic_lr: float = Field(5e-5, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     warmup_steps: int = Field(0, ge=0)
@@ -151,7 +153,7 @@ class DPOConfig(TrainSection):
 
     beta: float = Field(0.1, gt=0.0)
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    lr: float = Field(1e-6, gt=0.0)
+    lr: float = Field(1e-6, gt=0.0, le=1.0)
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
 
@@ -165,10 +167,14 @@ class TrackingConfig(TrainSection):
 
 
 class CheckpointConfig(TrainSection):
-    """HF exports of the trained models: every `every` iterations (0: never in between) and at the end."""
+    """Checkpoints under <run dir>/checkpoints/iter_N: HF exports of the trained models plus what
+    an exact resume needs. every: after every N iterations (0: never in between; a recovered
+    worker failure resumes from the last one, so 0 restarts from iteration 0); at_end: after
+    the last; keep: the newest K complete checkpoints stay, older ones are deleted (0: all)."""
 
-    every: int = Field(0, ge=0)
+    every: int = Field(10, ge=0)
     at_end: bool = True
+    keep: int = Field(2, ge=0)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from app.data.datasets import (
     BatchIterator,
+    IteratorState,
     PreferenceExample,
     PreferenceRecord,
     PromptExample,
@@ -28,7 +29,7 @@ __all__ = [
     # toy_task.py
     "TOY_RESPONSE_LEN", "generate_toy_prompts", "toy_target",
     # datasets.py
-    "BatchIterator", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
+    "BatchIterator", "IteratorState", "PreferenceExample", "PreferenceRecord", "PromptExample", "build_prompt_dataset",
     "load_preference_records", "load_tokenizer", "read_text_column", "tokenize_preferences",
     # gsm8k.py
     "GSM8K_INSTRUCTION", "final_answer", "prepare_gsm8k",

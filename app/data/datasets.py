@@ -22,6 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from app.config import read_utf8
 from app.data.toy_task import CharTokenizer, generate_toy_prompts
 
 PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -133,7 +134,7 @@ def load_tokenizer(name_or_dir: str) -> PromptTokenizer:
 
 
 def _read_json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)  # a byte that is not UTF-8 names the file and the line
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -11,6 +11,7 @@ veRL way (`rollout/reward_mean`, `rollout/response_length_mean`, `actor/pg_loss`
 - W&B under the same names with step=iteration: offline (files under `<run_dir>/wandb`) unless
   WANDB_API_KEY is set, or whatever WANDB_MODE says when the user set it. `wandb_enabled=False`
   turns it off; if wandb is missing or fails to start, a warning is issued and the run goes on.
+  `wandb_id` continues an earlier W&B run (a resumed run: `resume="allow"`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Tracker:
     def __init__(self, run_dir: str | Path, project: str = "realray", run_name: str | None = None,
                  config: Mapping[str, Any] | None = None, total_iterations: int | None = None,
                  wandb_enabled: bool = True, console: bool = True,
-                 console_keys: Mapping[str, str] | None = None, stream: TextIO | None = None) -> None:
+                 console_keys: Mapping[str, str] | None = None, stream: TextIO | None = None,
+                 wandb_id: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_iterations = total_iterations
@@ -102,9 +104,14 @@ class Tracker:
         self._closed = False
         self.wandb_run: Any = None
         if wandb_enabled:
-            self.wandb_run = self._start_wandb(project, run_name or self.run_dir.name, dict(config or {}))
+            self.wandb_run = self._start_wandb(project, run_name or self.run_dir.name, dict(config or {}), wandb_id)
 
-    def _start_wandb(self, project: str, run_name: str, config: dict[str, Any]) -> Any:
+    @property
+    def wandb_id(self) -> str | None:
+        """The W&B run's id (a resumed run logs into the same W&B run), None without W&B."""
+        return None if self.wandb_run is None else str(getattr(self.wandb_run, "id", None) or "") or None
+
+    def _start_wandb(self, project: str, run_name: str, config: dict[str, Any], run_id: str | None) -> Any:
         """A W&B run, or None (with a warning) when wandb is missing or cannot start."""
         try:
             import wandb
@@ -115,7 +122,8 @@ class Tracker:
         # process (its settings singleton), so a later change of WANDB_MODE would otherwise be ignored.
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         try:
-            return wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir), mode=mode)
+            resume = {"id": run_id, "resume": "allow"} if run_id else {}
+            return wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir), mode=mode, **resume)
         except Exception as exc:
             warnings.warn(f"wandb logging disabled: wandb.init failed ({type(exc).__name__}: {exc})", stacklevel=3)
             return None

@@ -14,9 +14,10 @@ from typing import Any
 import ray
 
 from actors.worker import CallSpec, ModelWorker, placement_group_sets
+from app.run.recovery import DriverError, one_line
 from app.run.runtime import init_world, join_virtual_cluster
 from app.run.schedule import data_owners
-from cluster.placement import WorkerGroup, create_workers
+from cluster.placement import PendingCall, WorkerCallError, WorkerGroup, create_workers
 from cluster.resources import ClusterShortfall, RayStartOptions, connect, select_nodes
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec
@@ -51,6 +52,9 @@ class LayoutJob:
             self.workers.run("ensure_groups", placement_group_sets(self.placement), timeout_s=timeout_s)
             self.workers.run("load_model", JOB_ROLE, spec, False, self.placement, model_dir, 0, False, {},
                              timeout_s=timeout_s)
+        except (WorkerCallError, TimeoutError) as exc:
+            self.close()
+            raise DriverError(f"starting the workers failed: {one_line(str(exc))}") from None
         except BaseException:
             self.close()
             raise
@@ -61,9 +65,12 @@ class LayoutJob:
         n_rows = len(next(iter(rows.values())))
         spec = CallSpec(name, JOB_ROLE, kind, self.placement, 0, n_rows, params)
         shard = ray.put({"row_start": 0, "n": n_rows, **rows})
-        refs = [self.workers.actor(r).run_call.options(num_returns=2).remote(spec, shard)
-                for r in self.placement.mesh.gpus]
-        ray.get([meta for meta, _ in refs], timeout=self.timeout_s)  # raises the first worker error
+        ranks = tuple(self.placement.mesh.gpus)
+        refs = [self.workers.actor(r).run_call.options(num_returns=2).remote(spec, shard) for r in ranks]
+        try:  # one line naming the worker and its original exception
+            self.workers.get(PendingCall(f"call {name}", ranks, tuple(meta for meta, _ in refs)), self.timeout_s)
+        except (WorkerCallError, TimeoutError) as exc:
+            raise DriverError(one_line(str(exc))) from None
         owners = data_owners(self.placement, n_rows)
         return ray.get([refs[o.rank][1] for o in owners], timeout=self.timeout_s)
 

@@ -3,7 +3,8 @@
 `preflight(cfg)` needs no Ray: it builds the planning problem (cluster too small for the models
 fails here), resolves the reward function, reads and tokenises the dataset (a row without the
 prompt field fails naming the file and line; for DPO, preference pairs with prompt, chosen and
-rejected fields) and checks there are enough prompts (pairs) for a batch.
+rejected fields), checks there are enough prompts (pairs) for a batch and that every model
+directory holds weights matching its config (app.config.preflight).
 Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
@@ -28,7 +29,17 @@ import ray
 
 from actors.worker import CONCURRENCY_GROUPS
 from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config, toy_preference_records
-from app.config import ConfigError, ExperimentConfig, build_problem, manual_plan, model_spec, role_sources, search_error
+from app.config import (
+    ConfigError,
+    ExperimentConfig,
+    build_problem,
+    check_model_dir,
+    check_tokenizer_dir,
+    manual_plan,
+    model_spec,
+    role_sources,
+    search_error,
+)
 from app.data import (
     PreferenceExample,
     PromptExample,
@@ -99,8 +110,13 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         settings = settings_from_config(cfg, tokenizer_spec if reward_fn else None, reward_fn, eos, pad)
     except ValueError as exc:  # the message names the field (e.g. ppo.kl_estimator)
         raise ConfigError("config", cfg.algorithm, "values the algorithm accepts", problem=str(exc)) from None
+    models = role_models(cfg, problem, reward_fn is not None)
+    sources = role_sources(cfg)
+    for role, model in models.items():  # weights present, headers readable, names and shapes as configured
+        if model.hf_dir is not None:
+            check_model_dir(f"{sources[role][0]}.path", model.hf_dir, model.spec, model.critic)
     return TrainInputs(
-        cfg=cfg, problem=problem, manual=manual, models=role_models(cfg, problem, reward_fn is not None),
+        cfg=cfg, problem=problem, manual=manual, models=models,
         examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,
         settings=settings,
     )
@@ -132,6 +148,7 @@ def _check_reward(cfg: ExperimentConfig) -> str | None:
 
 
 def _load_tokenizer(cfg: ExperimentConfig) -> Any:
+    check_tokenizer_dir("data.tokenizer", cfg.data.tokenizer)
     try:
         return load_tokenizer(cfg.data.tokenizer)
     except ValueError as exc:

@@ -17,7 +17,9 @@ Pure functions of the dataflow graph and the plan, so they are unit-tested witho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from planning.dataflow import MFC, Graph
 from planning.plan import ExecutionPlan, Placement
@@ -172,6 +174,34 @@ def shards_needed(consumer: Placement, consumer_rank: int, producer: Placement, 
     return [o for o in owners if o.row_lo < hi and lo < o.row_hi]
 
 
+def prepared_call(graph: Graph, plan: ExecutionPlan, op: ReallocOp) -> str:
+    """The call a reallocation prepares (the first call of the role on its destination)."""
+    return next(m.name for m in graph.mfcs if m.role == op.role and plan[m.name] == op.dst)
+
+
+def sequences_per_iteration(graph: Graph) -> int:
+    """The first generation call's rows (the first call's without one, e.g. DPO's 2 x pairs)."""
+    return next((m.batch.n_seqs for m in graph.mfcs if m.kind == "generate"), graph.mfcs[0].batch.n_seqs)
+
+
+def last_train_call(graph: Graph) -> MFC:
+    """The iteration's last train call (a checkpoint is written after it)."""
+    return [m for m in graph.mfcs if m.kind == "train"][-1]
+
+
+def prompt_shard(batch: Sequence[Any]) -> dict[str, Any]:
+    """The generation call's input from PromptExamples: rows 0..n-1 with prompt ids (int64 [p_i]),
+    texts and answers."""
+    import torch
+
+    return {
+        "row_start": 0, "n": len(batch),
+        "prompt_ids": [torch.tensor(e.prompt_ids, dtype=torch.int64) for e in batch],
+        "prompt": [e.prompt for e in batch],
+        "answer": [e.answer for e in batch],
+    }
+
+
 def realloc_member_sets(graph: Graph, plan: ExecutionPlan, model_roles: tuple[str, ...]) -> list[tuple[Placement, Placement, str]]:
     """Every (src, dst, role) reallocation the steady state and the first iteration perform."""
     location = home_placements(graph, plan, model_roles)
@@ -187,5 +217,6 @@ def realloc_member_sets(graph: Graph, plan: ExecutionPlan, model_roles: tuple[st
 
 __all__ = [
     "CallOp", "DataOwner", "Op", "ReallocOp", "ReleaseOp", "data_owners", "dp_rows", "home_placements",
-    "iteration_ops", "realloc_member_sets", "shards_needed",
+    "iteration_ops", "last_train_call", "prepared_call", "prompt_shard", "realloc_member_sets",
+    "sequences_per_iteration", "shards_needed",
 ]

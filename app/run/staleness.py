@@ -53,9 +53,14 @@ def submission_units(graph: Graph, iterations: int) -> list[Unit]:
 class StageSchedule:
     """The units of a run, handed out in order (`next_unit`)."""
 
-    def __init__(self, graph: Graph, iterations: int) -> None:
+    def __init__(self, graph: Graph, iterations: int, start: int = 0) -> None:
+        """Units of iterations start..iterations-1; a run resumed at `start` begins as a fresh one
+        would (its first k + 1 rollouts from the resumed weights, staleness 0 at first)."""
+        if not 0 <= start < iterations:
+            raise ValueError(f"start={start}: must be in [0, {iterations})")
         self.max_staleness = graph.max_staleness
-        self._units = submission_units(graph, iterations)
+        self._units = [Unit(u.iteration + start, u.calls, u.completes)
+                       for u in submission_units(graph, iterations - start)]
         self._next = 0
 
     @property
@@ -70,11 +75,12 @@ class StageSchedule:
         return unit
 
 
-def staleness_metrics(iteration: int, max_staleness: int) -> dict[str, float]:
-    """rollout/staleness and rollout/weights_version of an iteration (see the module docstring)."""
+def staleness_metrics(iteration: int, max_staleness: int, start: int = 0) -> dict[str, float]:
+    """rollout/staleness and rollout/weights_version of an iteration (see the module docstring);
+    start: the iteration the run (re)started at, whose generation used the weights of start - 1."""
     if max_staleness == 0:
         return {}
-    version = max(iteration - max_staleness - 1, -1)
+    version = max(iteration - max_staleness - 1, start - 1)
     return {"rollout/staleness": float(iteration - 1 - version), "rollout/weights_version": float(version)}
 
 

@@ -318,8 +318,8 @@ def test_cli_generate_errors_exit_2_with_one_line(tmp_path: Any, capsys: pytest.
     base = ["generate", "--model", str(path), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu", "--local"]
     cases = [
         (["--data", str(bad)], f"{bad} line 2: no field 'prompt'"),
-        (["--data", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file"),
-        (["--data", str(good), "--top-p", "1.5"], "top_p=1.5"),
+        (["--data", str(tmp_path / "missing.jsonl")], "missing.jsonl': no such file"),
+        (["--data", str(good), "--top-p", "1.5"], "--top-p=1.5"),
         (["--data", str(good), "--layout", "tp3"], "tp=3 does not divide"),
     ]
     for extra, message in cases:

@@ -33,7 +33,7 @@ from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instan
 
 pytestmark = pytest.mark.ray
 
-CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
+CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_inf", "actor_train", "critic_train")
 MAX_ITERATIONS = 5
 FAKE_PEAK = MemoryPeak(allocated_bytes=3 * 2**20, reserved_bytes=4 * 2**20)
 
@@ -64,7 +64,7 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
     on_gpu0 = [f"plan.manual.{call}={{mesh: 'n0:g0', layout: dp1tp1pp1}}" for call in CALLS]
     cfg = load_config(DEFAULT_CONFIG, [f"run.dir={tmp_path}", "tracking.console=false", *on_gpu0,
                                        f"run.iterations={MAX_ITERATIONS}", "plan.recalibrate_after=1",
-                                       "plan.seconds=2", "checkpoint.every=1", "batch.prompts=16"])
+                                       "plan.seconds=2", "checkpoint.every=1", "checkpoint.keep=0", "batch.prompts=16"])
     driver = Driver(cfg, tmp_path, worker_cls=ProbedWorker)
     try:
         # Calibrated after iteration 0, decided when iteration 1 is collected, applied once
@@ -96,7 +96,7 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
     assert plan["since_iteration"] == switched_at and plan["history"][0]["switched"] is True
     entry = plan["history"][0]
     assert entry["new_est_iteration_s"] < entry["current_est_iteration_s"] * (1 - cfg.plan.switch_gain)
-    assert {r["name"]: r["mesh"] for r in plan["calls"]} == {c: str(new_plan[c].mesh) for c in CALLS}
+    assert {r["name"]: r["mesh"] for r in plan["calls"]} == {c: str(p.mesh) for c, p in new_plan.placements}
     assert all(call["micro_batch_tokens"] or call["gen_rounds"] for call in plan["calls"])
     history = [json.loads(line) for line in (tmp_path / "plan_history.jsonl").read_text().splitlines()]
     assert history == plan["history"]

@@ -1,9 +1,8 @@
 """Unit tests of the driver's pure parts: the ops of an iteration, data routing, metrics from
-timelines, checkpoint bookkeeping, the run directory and the PPO call parameters."""
+timelines, the run directory and the PPO call parameters (checkpoints: test_checkpoint.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from app.reporting.timeline import (
     throughput,
     timing_metrics,
 )
-from app.run.checkpoint import checkpoint_dir, is_due, latest_checkpoint, mark_complete
 from app.run.schedule import (
     CallOp,
     ReallocOp,
@@ -138,22 +136,6 @@ def test_rollout_metrics_use_owners_and_average_named_scalars() -> None:
     assert m["actor/pg_loss"] == 2.0 and m["actor/kl"] == pytest.approx(0.2)
     assert throughput(10, {**m, "timing_s/iteration": 2.0}, 2, 4) == pytest.approx((10 + 6) / 2 / 4)
     assert math.isnan(throughput(10, m, 2, 4))
-
-
-def test_checkpoint_schedule_and_completeness(tmp_path: Path) -> None:
-    assert [n for n in range(1, 8) if is_due(n, 3, 7, True)] == [3, 6, 7]
-    assert [n for n in range(1, 8) if is_due(n, 0, 7, False)] == []
-    first, second = checkpoint_dir(tmp_path, 3), checkpoint_dir(tmp_path, 6)
-    for d in (first, second):
-        (d / "actor").mkdir(parents=True)
-        (d / "actor" / "config.json").write_text("{}")
-    mark_complete(first, 3, ["actor"], {"actor": {"path": str(first / "actor")}})
-    assert latest_checkpoint(tmp_path) == first  # iter_6 has no marker: an interrupted export
-    assert json.loads((first / "checkpoint.json").read_text())["iterations"] == 3
-    with pytest.raises(RuntimeError, match="critic"):
-        mark_complete(second, 6, ["actor", "critic"], {})
-    with pytest.raises(ValueError, match="iterations_done"):
-        checkpoint_dir(tmp_path, 0)
 
 
 def test_run_dir_default_and_summary(tmp_path: Path) -> None:
