@@ -16,6 +16,7 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   rehome       a trained model's home moved to another placement, weights and optimizer state
   state        a trained model's checkpoint state per shard, loaded under any layout
   progress     where the call thread of a busy worker is (for stall reports)
+  ops          the op table: names to functions, which ops need no model
   model_worker `ModelWorker`: validates, looks up state and calls one function per request
   profiler     microbenchmarks of this machine (matmuls, copies, collectives, engine steps)
   profile_fit  the cost model's efficiency factors fitted to the profiler's measurements
@@ -26,8 +27,9 @@ from __future__ import annotations
 from actors.worker.calls import CallSpec
 from actors.worker.execution import plan_micro_batching
 from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
-from actors.worker.model_worker import CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS, ModelWorker
+from actors.worker.model_worker import ModelWorker
 from actors.worker.models import placement_group_sets
+from actors.worker.ops import CALL_OPS, CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MODEL_FREE_OPS
 from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
@@ -47,7 +49,9 @@ __all__ = [
     # calls.py
     "CallSpec",
     # model_worker.py
-    "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker",
+    "ModelWorker",
+    # ops.py
+    "CALL_OPS", "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS",
     # profiler.py
     "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
     # profile_fit.py

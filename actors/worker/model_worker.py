@@ -32,7 +32,6 @@ from __future__ import annotations
 import socket
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,64 +44,30 @@ from actors.engine import (
     ParallelGroups,
     ShardedAdamW,
     adamw_config_from,
-    export_hf_checkpoint,
     load_hf_checkpoint,
     named_trainable_parameters,
     norm_excluded_names,
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
-from actors.worker.calls import (
-    CallContext,
-    CallSpec,
-    run_generate,
-    run_logprobs,
-    run_model_reward,
-    run_rule_reward,
-    run_values,
-    timed,
-)
+from actors.worker.calls import CallContext, CallSpec, timed
 from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
-    assemble_full_state,
     bind_shards,
+    export_role,
     home_of,
     resolve_device,
     resolve_dtype,
     shards_of,
     unbind_shards,
 )
-from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
+from actors.worker.ops import CALL_OPS, MODEL_FREE_OPS
 from actors.worker.progress import activity
 from actors.worker.rehome import move_trained_home
-from actors.worker.select import run_select_rows
 from actors.worker.state import load_rng_state, load_role_state, save_rng_state, save_role_state
-from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 from planning.models import ModelSpec
 from planning.plan import Placement
 from planning.realloc_plan import ReallocPlan, plan_reallocation
-
-# Ops by name (a plain mapping; app/algorithms put the name in CallSpec.params["op"]).
-CALL_OPS = {
-    "generate": run_generate,
-    "rule_reward": run_rule_reward,
-    "model_reward": run_model_reward,
-    "logprobs": run_logprobs,
-    "values": run_values,
-    "ppo_actor": run_ppo_actor,
-    "ppo_critic": run_ppo_critic,
-    "grpo_actor": run_grpo_actor,
-    "outcome_actor": run_outcome_actor,
-    "select_rows": run_select_rows,
-    "remax_actor": run_remax_actor,
-    "dpo_actor": run_dpo_actor,
-}
-MODEL_FREE_OPS = ("rule_reward", "select_rows")
-# Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
-# overlapping the worker's next GPU call; they join no collective and are pure functions of
-# their inputs, so neither the collective order nor any number changes.
-MODEL_FREE_GROUP = "model_free"
-CONCURRENCY_GROUPS = {MODEL_FREE_GROUP: 2}
 
 
 class ModelWorker:
@@ -443,21 +408,8 @@ class ModelWorker:
         (their shards are gathered on the mesh's first rank, which writes the files)."""
         state = self._role(role)
         start = time.perf_counter()
-        state.copies.reload(self.device)
-        home = state.copies.home
-        groups = self.parallel_groups(home)
-        payload = (groups.dp_rank, groups.tp_rank, groups.pp_rank,
-                   {k: v.detach().cpu() for k, v in state.copies.shards(home).items()} if groups.dp_rank == 0 else {})
-        first = home.mesh.start
-        gathered: list[Any] = [payload]
-        if groups.mesh_group is not None:
-            gathered = [None] * home.mesh.size if self.rank == first else None
-            dist.gather_object(payload, gathered, dst=first, group=groups.mesh_group)
-        if self.rank != first:
-            return {"role": role, "path": None, "seconds": time.perf_counter() - start}
-        full = assemble_full_state(gathered, home.layout, state.spec)
-        path = export_hf_checkpoint(full, state.spec, state.critic, Path(out_dir))
-        return {"role": role, "path": str(path), "seconds": time.perf_counter() - start}
+        path = export_role(state, self.parallel_groups(state.copies.home), self.rank, self.device, out_dir)
+        return {"role": role, "path": None if path is None else str(path), "seconds": time.perf_counter() - start}
 
 
-__all__ = ["CALL_OPS", "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS", "ModelWorker"]
+__all__ = ["ModelWorker"]

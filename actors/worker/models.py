@@ -11,11 +11,21 @@ the shards every rank of a mesh contributes (for export).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from actors.engine import AdamWConfig, ModelEngine, gather_tp_shards, merge_stage_states
+from actors.engine import (
+    AdamWConfig,
+    ModelEngine,
+    ParallelGroups,
+    export_hf_checkpoint,
+    gather_tp_shards,
+    merge_stage_states,
+)
 from actors.realloc import ModelCopies
 from planning.layout import Layout
 from planning.models import ModelSpec
@@ -114,5 +124,26 @@ def assemble_full_state(gathered: list[tuple[int, int, int, dict[str, Tensor]]],
     return merge_stage_states(by_stage)
 
 
-__all__ = ["DTYPES", "RoleState", "assemble_full_state", "bind_shards", "home_of", "placement_group_sets",
+def export_role(state: RoleState, groups: ParallelGroups, rank: int, device: torch.device,
+                out_dir: str | Path) -> Path | None:
+    """Write a role as an HF checkpoint from its home copy (reloaded onto `device` if offloaded):
+    every rank of the home mesh calls this (collective over the mesh, `groups` its home
+    placement's); the mesh's first rank gathers the dp-rank-0 shards and writes the files,
+    returning their directory (None on the other ranks)."""
+    state.copies.reload(device)
+    home = state.copies.home
+    payload = (groups.dp_rank, groups.tp_rank, groups.pp_rank,
+               {k: v.detach().cpu() for k, v in state.copies.shards(home).items()} if groups.dp_rank == 0 else {})
+    first = home.mesh.start
+    gathered: list[Any] = [payload]
+    if groups.mesh_group is not None:
+        gathered = [None] * home.mesh.size if rank == first else None
+        dist.gather_object(payload, gathered, dst=first, group=groups.mesh_group)
+    if rank != first:
+        return None
+    full = assemble_full_state(gathered, home.layout, state.spec)
+    return export_hf_checkpoint(full, state.spec, state.critic, Path(out_dir))
+
+
+__all__ = ["DTYPES", "RoleState", "assemble_full_state", "export_role", "bind_shards", "home_of", "placement_group_sets",
            "resolve_device", "resolve_dtype", "shards_of", "unbind_shards"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.rl import make_kl_controller
-from actors.worker.model_worker import CALL_OPS
+from actors.worker import CALL_OPS
 from app.algorithms import (
     AlgorithmSettings,
     GRPOHyperparams,
