@@ -29,12 +29,15 @@ from actors.engine.process_groups import (
     build_parallel_groups,
     free_port,
     init_local_world,
+    lookup_parallel_groups,
+    node_address,
     world_timeout,
 )
 
 __all__ = [
     # process_groups.py
-    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world", "world_timeout",
+    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world", "lookup_parallel_groups",
+    "node_address", "world_timeout",
     # packing.py
     "PackedBatch", "pack_sequences",
     # attention.py

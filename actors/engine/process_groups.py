@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -159,6 +160,22 @@ def build_parallel_groups(layout: Layout, mesh_ranks: list[int] | None = None) -
     )
 
 
+def lookup_parallel_groups(layout: Layout, ranks: list[int], me: int,
+                           lookup: Callable[[list[int]], ProcessGroup | None]) -> ParallelGroups:
+    """Rank `me`'s groups on the mesh of global ranks `ranks` (mesh order) under `layout`, each
+    found by `lookup(members)` among groups created before (None: a group of one rank)."""
+    dp_rank, tp_rank, pp_rank = layout.coords(ranks.index(me))
+    column = tuple(ranks[r] for r in layout.pp_group(dp_rank, tp_rank))
+    dp_ranks = [ranks[r] for r in layout.dp_group(tp_rank, pp_rank)]
+    return ParallelGroups(
+        layout=layout, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
+        tp_group=lookup([ranks[r] for r in layout.tp_group(dp_rank, pp_rank)]), dp_group=lookup(dp_ranks),
+        pp_group=lookup(list(column)), mesh_group=lookup(ranks),
+        embedding_group=lookup([column[0], column[-1]]) if layout.pp > 1 else None,
+        pp_global_ranks=column, dp_global_ranks=tuple(dp_ranks),
+    )
+
+
 def destroy_parallel_groups(groups: ParallelGroups) -> None:
     """Free the groups this rank belongs to (each distinct group once)."""
     seen: set[int] = set()
@@ -169,6 +186,22 @@ def destroy_parallel_groups(groups: ParallelGroups) -> None:
 
 
 # ---- gloo worlds for tests and CPU runs ---------------------------------------------------------
+
+
+def node_address() -> tuple[str, int]:
+    """This node's IP (the interface used for outbound traffic) and a free TCP port on it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+            ip = probe.getsockname()[0]
+        except OSError:
+            try:
+                ip = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                ip = "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return ip, int(sock.getsockname()[1])
 
 
 def free_port() -> int:
@@ -204,6 +237,6 @@ def init_gloo_world(rank: int, world_size: int, port: int, threads: int = 1) -> 
 
 
 __all__ = [
-    "ParallelGroups", "build_parallel_groups", "destroy_parallel_groups", "free_port", "group_rank",
-    "group_size", "init_gloo_world", "init_local_world", "world_timeout",
+    "ParallelGroups", "build_parallel_groups", "destroy_parallel_groups", "free_port", "group_rank", "group_size",
+    "init_gloo_world", "init_local_world", "lookup_parallel_groups", "node_address", "world_timeout",
 ]

@@ -12,6 +12,8 @@ arguments. The worker picks a function by name (actors.worker.train).
 from __future__ import annotations
 
 from actors.rl.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
     broadcast_to_tokens,
     make_kl_controller,
     masked_whiten,
@@ -47,7 +49,7 @@ from actors.rl.outcome import (
 
 __all__ = [
     # advantages.py
-    "broadcast_to_tokens", "make_kl_controller", "masked_whiten", "ppo_advantages", "remax_advantages",
+    "AdaptiveKLController", "FixedKLController", "broadcast_to_tokens", "make_kl_controller", "masked_whiten", "ppo_advantages", "remax_advantages",
     "reward_to_go", "sequence_ids", "token_level_rewards",
     # outcome.py
     "group_mean_std", "grpo_outcome_advantages", "overlong_penalty", "reinforce_pp_advantages",

@@ -29,7 +29,6 @@ world, in sorted order), and each placement's `ParallelGroups` is looked up from
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -45,7 +44,9 @@ from actors.engine import (
     ShardedAdamW,
     adamw_config_from,
     load_hf_checkpoint,
+    lookup_parallel_groups,
     named_trainable_parameters,
+    node_address,
     norm_excluded_names,
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
@@ -94,18 +95,7 @@ class ModelWorker:
 
     def address(self) -> tuple[str, int]:
         """This node's IP (the interface used for outbound traffic) and a free TCP port."""
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
-                ip = probe.getsockname()[0]
-            except OSError:
-                try:
-                    ip = socket.gethostbyname(socket.gethostname())
-                except OSError:
-                    ip = "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return ip, int(sock.getsockname()[1])
+        return node_address()
 
     def init_distributed(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
         """Join the world of all workers; collectives slower than timeout_s raise."""
@@ -143,17 +133,7 @@ class ModelWorker:
         mesh, layout = placement.mesh, placement.layout
         if self.rank not in mesh.gpus:
             raise ValueError(f"rank {self.rank} is not in mesh {mesh} ({layout})")
-        ranks = list(mesh.gpus)
-        dp_rank, tp_rank, pp_rank = layout.coords(self.rank - mesh.start)
-        column = tuple(ranks[r] for r in layout.pp_group(dp_rank, tp_rank))
-        groups = ParallelGroups(
-            layout=layout, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
-            tp_group=self._lookup([ranks[r] for r in layout.tp_group(dp_rank, pp_rank)]),
-            dp_group=self._lookup([ranks[r] for r in layout.dp_group(tp_rank, pp_rank)]),
-            pp_group=self._lookup(list(column)), mesh_group=self._lookup(ranks),
-            embedding_group=self._lookup([column[0], column[-1]]) if layout.pp > 1 else None,
-            pp_global_ranks=column, dp_global_ranks=tuple(ranks[r] for r in layout.dp_group(tp_rank, pp_rank)),
-        )
+        groups = lookup_parallel_groups(layout, list(mesh.gpus), self.rank, self._lookup)
         self._parallel[placement] = groups
         return groups
 

@@ -37,18 +37,15 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.rl import make_kl_controller
-from app.algorithms import call_params, preference_shard
 from app.config import ExperimentConfig
 from app.data import BatchIterator, IteratorState, PromptExample
 from app.reporting import (
-    CallEstimate,
     RayMetricsExporter,
     TimelineRecord,
     Tracker,
@@ -63,11 +60,12 @@ from app.reporting import (
     timing_table,
     write_gantt,
 )
-from app.run.checkpoint import begin, commit, is_due, latest_checkpoint, prune
-from app.run.collect import SubmittedOp, submit_checkpoint, wait_ops
+from app.run.checkpoint import commit, latest_checkpoint, prune
+from app.run.collect import SubmittedOp, wait_ops
+from app.run.dispatch import Dispatch, PendingIteration, Target
 from app.run.headroom import check_headroom
 from app.run.iteration_metrics import collect_iteration
-from app.run.recovery import DriverError, WorkerFailure, guard_params, log_restart, one_line
+from app.run.recovery import DriverError, WorkerFailure, log_restart, one_line
 from app.run.replan import PlanDecision, Replanner, apply_switch
 from app.run.resume import (
     RunState,
@@ -95,38 +93,16 @@ from app.run.runtime import (
     wait_plan,
 )
 from app.run.schedule import (
-    CallOp,
-    Op,
     home_placements,
-    iteration_ops,
-    last_train_call,
     prompt_shard,
     sequences_per_iteration,
 )
-from app.run.staleness import StageSchedule, staleness_metrics
-from app.run.submit import call_options, sample_rounds, submit_call, submit_select, submit_weights_op
+from app.run.staleness import staleness_metrics
+from app.run.submit import call_options
 from cluster.placement import WorkerCallError, WorkerGroup
 from planning.simulate import simulate
 
 LOOKAHEAD = 1  # complete iterations submitted beyond the one being waited on
-
-
-@dataclass
-class PendingIteration:
-    """What the driver keeps of a submitted iteration until its metadata is collected.
-    complete: every stage of it is submitted; outputs: its calls' data producers by call name."""
-
-    iteration: int
-    ops: list[SubmittedOp]
-    prompt_tokens: int
-    checkpoint: Path | None  # the staging directory of the checkpoint after this iteration
-    data_state: IteratorState  # the data iterator after this iteration's batch(es)
-    complete: bool = True
-    outputs: dict[str, SubmittedOp] = field(default_factory=dict)
-    batch_size: int = 0
-    prompts_ref: Any = None
-    extra_metrics: dict[str, float] = field(default_factory=dict)
-    estimates: dict[str, CallEstimate] = field(default_factory=dict)  # of the plan it was submitted under
 
 
 class Driver:
@@ -147,10 +123,7 @@ class Driver:
         self.total_iterations = cfg.run.iterations
         self.workers: WorkerGroup | None = None
         self._started_ray = not ray.is_initialized()
-        self._pending: list[PendingIteration] = []
-        self._next_iteration = 0  # iterations whose every stage is submitted
-        self._stages: StageSchedule | None = None  # created at the first submission (run(n) may set n)
-        self._start = 0  # the iteration this run (re)started at
+        self.dispatch: Dispatch | None = None  # the submitted side: from _start_run_state
         self._previous_end: float | None = None
         self.records: list[TimelineRecord] = []
         self.tracker: Tracker | None = None
@@ -207,26 +180,25 @@ class Driver:
         cfg = self.cfg
         for message in clear_incomplete(self.run_dir):
             print(f"warning: {message}", file=sys.stderr, flush=True)
-        self._location = home_placements(self.graph, self.plan, self.model_roles)
-        self._batches: BatchIterator[PromptExample] = BatchIterator(
+        location = home_placements(self.graph, self.plan, self.model_roles)
+        batches: BatchIterator[PromptExample] = BatchIterator(
             self.inputs.examples, cfg.batch.prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         p = cfg.ppo
-        self.kl = make_kl_controller(p.kl_controller, p.kl_coef, p.kl_target, p.kl_horizon)
+        kl = make_kl_controller(p.kl_controller, p.kl_coef, p.kl_target, p.kl_horizon)
         # The KL coefficient each submitted iteration got (restored: the driver runs ahead).
-        self._next_iteration, self._kl_used, wandb_id = 0, {}, None
+        start, kl_used, wandb_id = 0, {}, None
         if checkpoint is not None and state is not None:
             assert self.workers is not None
-            self._location = restore_workers(self.workers, self.graph, self.plan, self.model_roles, checkpoint,
-                                             state, cfg.run.call_timeout_s)
-            self._next_iteration = state.iterations_done
-            self._batches.state = IteratorState(state.data_epoch, state.data_position)
-            self.kl.value = state.kl_value
-            self._kl_used = dict(state.kl_submitted)
+            location = restore_workers(self.workers, self.graph, self.plan, self.model_roles, checkpoint,
+                                       state, cfg.run.call_timeout_s)
+            start = state.iterations_done
+            batches.state = IteratorState(state.data_epoch, state.data_position)
+            kl.value, kl_used = state.kl_value, dict(state.kl_submitted)
             restore_driver_rng(state.rng)
             wandb_id = state.wandb_id
-        self._start, self._stages = self._next_iteration, None
-        rewind_logs(self.run_dir, self._next_iteration)
-        self.records = [r for r in self.records if r.iteration < self._next_iteration]
+        self.dispatch = Dispatch(cfg, self.inputs, self.run_dir, start, location, batches, kl, kl_used)
+        rewind_logs(self.run_dir, start)
+        self.records = [r for r in self.records if r.iteration < start]
         self._previous_end = None
         self.tracker = Tracker(self.run_dir, project=cfg.tracking.project, run_name=self.run_dir.name,
                                config=cfg.model_dump(mode="json"), total_iterations=self.total_iterations,
@@ -242,122 +214,27 @@ class Driver:
         out = {**plan_json(report), "since_iteration": self._plan_since, "history": history}
         (self.run_dir / "plan.json").write_text(json.dumps(out, indent=2, allow_nan=False))
 
-    # ---- submission ------------------------------------------------------------------------------
-    def _submit_next(self) -> None:
-        """Submit the operations of the next unit: a whole iteration, or one stage of one under
-        bounded staleness (app.run.staleness). Never blocks, except between dynamic sampling rounds."""
-        assert self.workers is not None
-        if self._stages is None:
-            self._stages = StageSchedule(self.graph, self.total_iterations, self._start)
-        unit = self._stages.next_unit()
-        i = unit.iteration
-        pending = self._open_iteration(i)
-        ops, self._location = iteration_ops(self.graph, self.plan, self.model_roles, self._location, unit.calls)
-        rounds = self.inputs.settings.dynamic_sampling_rounds
-        if rounds is not None and "rew_inf" in unit.calls:
-            cut = next(k for k, op in enumerate(ops) if isinstance(op, CallOp) and op.mfc.name == "rew_inf") + 1
-            self._submit_sampling_rounds(pending, ops[:cut], rounds)
-            ops = ops[cut:]
-        for op in ops:
-            pending.ops.append(self._submit_op(op, pending, pending.outputs, pending.prompts_ref))
-            if isinstance(op, CallOp) and op.mfc == last_train_call(self.graph):
-                pending.checkpoint, subs = self._maybe_checkpoint(i)
-                pending.ops.extend(subs)
-        if unit.completes:
-            pending.complete = True
-            self._next_iteration += 1
-
-    def _open_iteration(self, i: int) -> PendingIteration:
-        """The pending entry of iteration i, created (with its batch) at its first unit."""
-        for pending in self._pending:
-            if pending.iteration == i:
-                return pending
-        batch = self._batches.next_batch()
-        # DPO reads preference pairs (rows 2i chosen, 2i + 1 rejected); the others read prompts.
-        prompts_ref = ray.put(preference_shard(batch) if self.graph.algorithm == "dpo" else prompt_shard(batch))
-        # Every sequence carries its prompt (GRPO samples group_size sequences per prompt).
-        samples = sequences_per_iteration(self.graph) // len(batch)
-        prompt_tokens = samples * sum(len(e.prompt_ids) for e in batch)
-        pending = PendingIteration(i, [], prompt_tokens, None, self._batches.state, complete=False,
-                                   batch_size=len(batch), prompts_ref=prompts_ref, estimates=self.estimates)
-        self._pending.append(pending)
-        return pending
-
-    def _submit_op(self, op: Op, pending: PendingIteration, outputs: dict[str, SubmittedOp], prompts_ref: Any,
-                   seed_offset: int = 0) -> SubmittedOp:
-        """Submit one call (recorded in `outputs`) or weights operation of iteration pending.iteration."""
-        assert self.workers is not None
-        i = pending.iteration
-        if not isinstance(op, CallOp):
-            return submit_weights_op(self.workers, self.graph, self.plan, op, i)
-        kl_coef = self._kl_used.setdefault(i, self.kl.value)  # restored when resuming
-        params = {**call_params(self.inputs.settings, op.mfc, kl_coef), **guard_params(self.cfg)}
-        if seed_offset and "seed" in params:
-            params = {**params, "seed": int(params["seed"]) + 7919 * seed_offset}
-        sub = submit_call(self.workers, self.graph, self.plan, op, i, params, prompts_ref, outputs,
-                          all_reward_rows=self.inputs.reward_fn is None)
-        outputs[op.mfc.name] = sub
-        return sub
-
-    def _submit_sampling_rounds(self, pending: PendingIteration, ops: list[Op], max_rounds: int) -> None:
-        """DAPO's dynamic sampling: `ops` (generation through reward) on fresh prompts until enough
-        groups with distinct rewards; a select call then makes them the batch the rest reads."""
-        assert self.workers is not None
-        gen, reward = self.graph.mfc("actor_gen"), self.graph.mfc("rew_inf")
-
-        def submit_round(r: int) -> tuple[SubmittedOp, SubmittedOp]:
-            prompts_ref = pending.prompts_ref
-            if r:  # every further round on fresh prompts
-                prompts_ref = ray.put(prompt_shard(self._batches.next_batch()))
-                pending.data_state = self._batches.state
-            outputs: dict[str, SubmittedOp] = {}
-            pending.ops.extend(self._submit_op(op, pending, outputs, prompts_ref, r) for op in ops)
-            return outputs[gen.name], outputs[reward.name]
-
-        kept, shards = sample_rounds(submit_round, lambda sub: self._wait_ops([sub])[sub], pending.batch_size,
-                                     gen.batch.n_seqs // pending.batch_size, reward.batch.n_seqs, max_rounds)
-        # The select_rows call on the first GPU of the actor's train mesh.
-        rank = self.plan[last_train_call(self.graph).name].mesh.start
-        select = submit_select(self.workers, pending.iteration, rank, self.problem.cluster.gpus_per_node, shards,
-                               reward.batch.n_seqs, kept)
-        pending.ops.append(select)
-        pending.outputs[gen.name] = pending.outputs[reward.name] = select
-        pending.extra_metrics.update(kept.metrics())
-
-    def _checkpoint_due(self, i: int) -> bool:
-        c = self.cfg.checkpoint
-        return is_due(i + 1, c.every, self.total_iterations, c.at_end)
-
-    def _maybe_checkpoint(self, i: int) -> tuple[Path | None, list[SubmittedOp]]:
-        """When one is due after iteration i's training: its staging directory and its writes."""
-        if not self._checkpoint_due(i):
-            return None, []
-        assert self.workers is not None
-        try:
-            staging = begin(self.run_dir, i + 1)
-        except OSError as exc:  # an existing iter_N (never rewritten) or an unwritable run directory
-            raise DriverError(f"checkpoint after iteration {i}: {one_line(str(exc))}") from None
-        homes = {role: tuple(self._location[role].mesh.gpus) for role in self.graph.trained_roles}
-        return staging, submit_checkpoint(self.workers, i, staging, homes)
-
     # ---- collection ------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         """Run one iteration (submitting the next one first, for overlap); returns its metrics."""
-        if self._next_iteration >= self.total_iterations and not self._pending:
+        assert self.dispatch is not None and self.workers is not None
+        d = self.dispatch
+        if d.next_iteration >= self.total_iterations and not d.pending:
             raise RuntimeError(f"Driver.step: all {self.total_iterations} iterations (run.iterations) already ran")
 
         def wants_more() -> bool:
             # The oldest pending iteration must be complete to collect; beyond it keep LOOKAHEAD
             # complete iterations submitted (units of stages under bounded staleness), none while a
             # plan switch waits for the pipeline to drain.
-            if not self._pending or not self._pending[0].complete:
+            if not d.pending or not d.pending[0].complete:
                 return True
-            return self._switch is None and sum(p.complete for p in self._pending) <= LOOKAHEAD
+            return self._switch is None and sum(p.complete for p in d.pending) <= LOOKAHEAD
 
-        while (self._stages is None or self._stages.remaining) and wants_more():
-            self._submit_next()
-        metrics = self._collect(self._pending.pop(0))
-        if self._switch is not None and not self._pending:
+        to = Target(self.workers, self.plan, self.estimates, self._wait_ops)
+        while d.has_more() and wants_more():
+            d.submit_next(to, self.total_iterations)
+        metrics = self._collect(d.pending.pop(0))
+        if self._switch is not None and not d.pending:
             self._apply_switch(self._switch)
         return metrics
 
@@ -371,7 +248,8 @@ class Driver:
                 self.tracker.total_iterations = n
         history: list[dict[str, float]] = []
         try:
-            while self._next_iteration < self.total_iterations or self._pending:
+            while self.dispatch is not None and (self.dispatch.next_iteration < self.total_iterations
+                                                 or self.dispatch.pending):
                 try:
                     history.append(self.step())
                 except WorkerFailure as failure:
@@ -393,7 +271,7 @@ class Driver:
         self.restarts += 1
         checkpoint = latest_checkpoint(self.run_dir)
         log_restart(self.run_dir, self.restarts, limit, failure, checkpoint)
-        self._pending.clear()
+        self.dispatch = None
         self._switch = None  # a switch not yet applied: the restarted workers load the current plan
         if self.workers is not None:
             self.workers.shutdown()  # kills the actors and removes their placement groups
@@ -406,7 +284,8 @@ class Driver:
             self._start_run_state(checkpoint, None if checkpoint is None else read_run_state(checkpoint))
         except (WorkerCallError, TimeoutError) as exc:
             raise DriverError(f"restart {self.restarts} after '{failure}' failed: {one_line(str(exc))}") from None
-        return self._next_iteration
+        assert self.dispatch is not None
+        return self.dispatch.start
 
     def _collect(self, pending: PendingIteration) -> dict[str, float]:
         metas = self._wait_ops(pending.ops)
@@ -418,11 +297,12 @@ class Driver:
         n_seqs = sequences_per_iteration(self.graph)
         metrics.update(self._replan(pending.iteration, records))
         metrics.update(pending.extra_metrics)  # dynamic sampling's (the reward of every generated response)
-        metrics.update(staleness_metrics(pending.iteration, self.graph.max_staleness, self._start))
+        assert self.dispatch is not None
+        metrics.update(staleness_metrics(pending.iteration, self.graph.max_staleness, self.dispatch.start))
         metrics["perf/throughput"] = throughput(pending.prompt_tokens, metrics, n_seqs, self.problem.cluster.n_gpus)
         self._previous_end = span(records)[1]
         if "actor/kl" in metrics:  # adapts the coefficient of the iterations submitted from now on
-            self.kl.update(metrics["actor/kl"], n_seqs)
+            self.dispatch.kl.update(metrics["actor/kl"], n_seqs)
         assert self.tracker is not None
         self.tracker.log(metrics, pending.iteration)
         self.ray_metrics.export(metrics, pending.iteration)
@@ -437,9 +317,11 @@ class Driver:
         workers wrote, then the atomic rename; older checkpoints beyond checkpoint.keep go."""
         assert pending.checkpoint is not None and self.tracker is not None
         done, roles = pending.iteration + 1, list(self.graph.trained_roles)
-        self._kl_used = {i: v for i, v in self._kl_used.items() if i >= done}
+        assert self.dispatch is not None
+        d = self.dispatch
+        d.kl_used = {i: v for i, v in d.kl_used.items() if i >= done}
         homes = home_placements(self.graph, self.plan, self.model_roles)
-        state = RunState(done, pending.data_state.epoch, pending.data_state.position, self.kl.value, self._kl_used,
+        state = RunState(done, pending.data_state.epoch, pending.data_state.position, d.kl.value, d.kl_used,
                          {role: placement_json(homes[role]) for role in roles}, fingerprint(self.cfg),
                          self.tracker.wandb_id, driver_rng_state())
         exports = {s.name: metas[s][0] for s in pending.ops if s.kind == "export"}
@@ -453,15 +335,19 @@ class Driver:
     def _wait_ops(self, ops: list[SubmittedOp]) -> dict[SubmittedOp, list[Any]]:
         """Every op's per-rank metadata; a WorkerFailure on a failure or a stall (module doc)."""
         assert self.workers is not None
-        later = [op for p in self._pending for op in p.ops if op not in ops]
+        later = [op for p in (self.dispatch.pending if self.dispatch else []) for op in p.ops if op not in ops]
         return wait_ops(self.workers, ops, later, self.cfg.run.call_timeout_s)
+
+    def _submitted(self) -> int:
+        """Iterations whose every stage is submitted."""
+        return self.dispatch.next_iteration if self.dispatch is not None else 0
 
     # ---- re-planning -----------------------------------------------------------------------------
     def _replan(self, iteration: int, records: list[TimelineRecord]) -> dict[str, float]:
         """Feed the re-planner; on a decision adopt the calibrated model (and schedule a switch)."""
         assert self.replanner is not None
         metrics, decision = self.replanner.collect(iteration, records, self.run_dir,
-                                                   self._next_iteration < self.total_iterations)
+                                                   self._submitted() < self.total_iterations)
         if decision is not None:
             self.problem = decision.problem
             self.estimates = call_estimates(self.problem, self.plan)
@@ -473,12 +359,14 @@ class Driver:
         """Move every model to the new plan's homes (nothing is in flight), then adopt the plan."""
         assert self.workers is not None and self.replanner is not None and decision.plan is not None
         self._switch = None
-        records = apply_switch(self.workers, self.inputs, self._location, decision.plan, self._next_iteration,
+        assert self.dispatch is not None
+        d = self.dispatch
+        records = apply_switch(self.workers, self.inputs, d.location, decision.plan, d.next_iteration,
                                self.cfg.run.call_timeout_s)
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
-        self.plan, self._plan_since = decision.plan, self._next_iteration
-        self._location = home_placements(self.graph, self.plan, self.model_roles)
+        self.plan, self._plan_since = decision.plan, d.next_iteration
+        d.location = home_placements(self.graph, self.plan, self.model_roles)
         self.estimates = call_estimates(self.problem, self.plan)
         self.replanner.adopt(self.problem, self.plan, decision.new_est_s)
         self._write_plan()
@@ -498,7 +386,8 @@ class Driver:
                 warnings.warn(f"could not write the Gantt chart / timings in {self.run_dir}: {exc}", stacklevel=2)
         if self.tracker is not None:
             self.tracker.close()
-        self._pending.clear()
+        if self.dispatch is not None:
+            self.dispatch.pending.clear()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

@@ -72,12 +72,12 @@ def test_replan_switches_plans_and_keeps_the_weights(ray_session: None, tmp_path
         for _ in range(3):
             driver.step()
         switched_at = driver._plan_since
-        assert switched_at == 3 and not driver._pending
+        assert switched_at == 3 and driver.dispatch is not None and not driver.dispatch.pending
         new_plan = driver.plan
         assert any(new_plan[c].mesh.size > 1 for c in CALLS)
         moved = tmp_path / "after-switch"
         for role in ("actor", "critic"):
-            home = driver._location[role]
+            home = driver.dispatch.location[role]
             driver.workers.run("export", role, str(moved / role), ranks=list(home.mesh.gpus))
         # The probe's 3 MiB exceeds the estimates of the spread-out plan's calls (the tiny models
         # are 1-2 MiB per GPU there): a warning naming the call.
