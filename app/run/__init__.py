@@ -14,6 +14,7 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   dynamic_sampling  DAPO's rounds: groups with distinct rewards kept, the select call
   collect     waiting for submitted operations: results, or the failure to report
   submit      one scheduled operation as Ray tasks on the workers of its mesh
+  dispatch    the submitted side of a run: data position, KL coefficients, stages, pending iterations
   iteration_metrics  a collected iteration's timeline records and metrics row
   headroom    the plan's memory margin, checked before the first call
   replan      self-calibration from measured calls, re-planning, switching plans between iterations
