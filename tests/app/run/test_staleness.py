@@ -46,6 +46,19 @@ def test_staleness_metrics() -> None:
     assert [staleness_metrics(i, 2)["rollout/staleness"] for i in range(5)] == [0.0, 1.0, 2.0, 2.0, 2.0]
 
 
+def test_a_resumed_run_starts_its_schedule_at_the_resumed_iteration() -> None:
+    stale = with_staleness(GRAPH, 1)
+    resumed = StageSchedule(stale, 5, start=3)
+    units = [resumed.next_unit() for _ in range(resumed.remaining)]
+    # As a fresh run of 2 iterations would, shifted to iterations 3 and 4.
+    assert units == [Unit(u.iteration + 3, u.calls, u.completes) for u in submission_units(stale, 2)]
+    # Its first generations use the resumed weights (those after training 2): staleness restarts.
+    assert [staleness_metrics(i, 1, start=3)["rollout/weights_version"] for i in (3, 4, 5)] == [2.0, 2.0, 3.0]
+    assert [staleness_metrics(i, 1, start=3)["rollout/staleness"] for i in (3, 4, 5)] == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="start=5"):
+        StageSchedule(stale, 5, start=5)
+
+
 def test_dpo_cannot_run_ahead() -> None:
     from planning.dataflow import dpo_graph
 
