@@ -123,26 +123,18 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     (tokens capped by dual clip), ppo_kl (k1 estimate of KL(old || new)).
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if clip_eps <= 0 or eps_high <= 0:
-        raise ValueError(f"clip_eps={clip_eps}, clip_eps_high={clip_eps_high}: must be > 0")
+    eps_high = _upper_clip(clip_eps, clip_eps_high)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip}: must be > 1 (or None to disable)")
     advantages = advantages.detach()
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
-    losses = torch.maximum(unclipped, clipped)
-    clip_active = (clipped > unclipped).to(logprobs.dtype)
+    losses, clip_active = _clipped_surrogate(log_ratio.exp(), advantages, clip_eps, eps_high)
     lower_active = torch.zeros_like(losses)
     if dual_clip is not None:
         cap = -advantages * dual_clip
         lower_active = ((losses > cap) & (advantages < 0)).to(logprobs.dtype)
         losses = torch.where(advantages < 0, torch.minimum(losses, cap), losses)
-    if is_weights is not None:
-        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
-        losses = losses * is_weights.detach()
+    losses = _importance_weighted(losses, is_weights)
     loss, count = aggregate(losses, mask, agg, cu_seqlens)
     with torch.no_grad():
         stats = {
@@ -152,6 +144,30 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
             "ppo_kl": aggregate(-log_ratio, mask, agg, cu_seqlens)[0],
         }
     return LossSums(loss, count, stats)
+
+
+def _upper_clip(clip_eps: float, clip_eps_high: float | None) -> float:
+    """The upper clip range (clip_eps unless set apart, DAPO's clip-higher); both must be > 0."""
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if clip_eps <= 0 or eps_high <= 0:
+        raise ValueError(f"clip_eps={clip_eps}, clip_eps_high={clip_eps_high}: must be > 0")
+    return eps_high
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_eps: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate per token [N]: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), and
+    where the clipped term is the larger (the clip fraction's indicator, [N] in ratio's dtype)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).to(ratio.dtype)
+
+
+def _importance_weighted(losses: Tensor, is_weights: Tensor | None) -> Tensor:
+    """Per-token losses [N] times the (detached) truncated importance weights [N], when given."""
+    if is_weights is None:
+        return losses
+    _check_same_shape(losses=losses, is_weights=is_weights)
+    return losses * is_weights.detach()
 
 
 def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cu_seqlens: Tensor,
@@ -167,9 +183,7 @@ def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     mask: [N]; cu_seqlens [B+1]. Stats (sums) as `ppo_policy_loss`.
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if clip_eps <= 0 or eps_high <= 0:
-        raise ValueError(f"clip_eps={clip_eps}, clip_eps_high={clip_eps_high}: must be > 0")
+    eps_high = _upper_clip(clip_eps, clip_eps_high)
     m = mask.to(logprobs.dtype)
     advantages = advantages.detach()
     log_ratio = (logprobs - old_logprobs.detach()) * m
@@ -179,18 +193,13 @@ def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     seq_len = torch.zeros(n_seqs, dtype=logprobs.dtype, device=logprobs.device).index_add(0, seq, m).clamp(min=1)
     log_seq_ratio = (seq_sum / seq_len)[seq]  # [N]: each token's sequence-mean log ratio
     token_log_ratio = (logprobs - logprobs.detach() + log_seq_ratio).clamp(max=10.0)
-    ratio = token_log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
-    losses = torch.maximum(unclipped, clipped)
-    if is_weights is not None:
-        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
-        losses = losses * is_weights.detach()
+    losses, clip_active = _clipped_surrogate(token_log_ratio.exp(), advantages, clip_eps, eps_high)
+    losses = _importance_weighted(losses, is_weights)
     loss, count = aggregate(losses, mask, agg, cu_seqlens)
     with torch.no_grad():
         stats = {
             "pg_loss": loss.detach(),
-            "pg_clipfrac": aggregate((clipped > unclipped).to(logprobs.dtype), mask, agg, cu_seqlens)[0],
+            "pg_clipfrac": aggregate(clip_active, mask, agg, cu_seqlens)[0],
             "pg_clipfrac_lower": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
             "ppo_kl": aggregate(-log_ratio.detach(), mask, agg, cu_seqlens)[0],
         }
