@@ -45,6 +45,7 @@ from planning.cost_terms import (
     allreduce_s,
     call_geometry,
     dp_bandwidth,
+    inference_bytes_per_token_layer,
     p2p_bandwidth,
     reduce_scatter_s,
 )
@@ -61,6 +62,15 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 # HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
 # (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
 OPTIMIZER_TRAFFIC_PER_PARAM = 28
+# Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
+# saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
+TRAIN_LOGIT_BYTES = 4
+# More with an entropy bonus (ppo.entropy_coef > 0): the entropy saves float32 probabilities and
+# shifted logits, and its backward holds two more float32 [token, vocab/tp] temporaries.
+ENTROPY_LOGIT_BYTES = 16
+# Bytes per [row, vocab] logit while sampling a step: gathered bf16 logits, fp32 scaled and
+# sorted values, int64 sort indices, fp32 cumulative probabilities (top-k/top-p; less without).
+SAMPLING_BYTES_PER_LOGIT = 22
 # HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
 # sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
 SAMPLING_PASSES = 8
@@ -300,15 +310,21 @@ def _pass_time(
     return out
 
 
-def _activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool) -> float:
+def _activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool,
+                      with_entropy: bool = False) -> float:
     """Activation memory of the fullest stage: stored activations of `in_flight` micro-batches
-    (train) or one layer's working set (inference), plus fp32 logits on the last stage."""
-    per_token_layer = activation_bytes_per_token_layer(geo.spec, layout.tp)
+    plus the logits and their gradient on the last stage (train), or the larger of one block's
+    working set and the head's (inference: the blocks' tensors are freed before the head runs)."""
     head_cols = 1 if geo.critic else geo.spec.vocab_size / layout.tp
-    logits = mb_tokens * head_cols * 4 * (2 if train else 1)  # fp32 logits (+ their gradient)
     if train:
-        return in_flight * mb_tokens * per_token_layer * geo.stage_layers + logits
-    return 2 * mb_tokens * per_token_layer + logits
+        logit_bytes = TRAIN_LOGIT_BYTES + (ENTROPY_LOGIT_BYTES if with_entropy and not geo.critic else 0)
+        logits = mb_tokens * head_cols * logit_bytes
+        return in_flight * mb_tokens * activation_bytes_per_token_layer(geo.spec, layout.tp) * geo.stage_layers + logits
+    block = mb_tokens * inference_bytes_per_token_layer(geo.spec, layout.tp)
+    # The fused logprob kernels read the bf16 logits in place; the final hidden states and their
+    # norm stay alive beside them.
+    head = mb_tokens * (head_cols * 2 + 2 * geo.spec.hidden_size * 2)
+    return max(block, head)
 
 
 def _forward_backward(
@@ -322,7 +338,8 @@ def _forward_backward(
     steps = mfc.n_minibatches if train else 1
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
     parts["weights_bytes"] = 2.0 * geo.stage_params
-    parts["activation_bytes"] = _activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train)
+    parts["activation_bytes"] = _activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
+                                                  mfc.with_entropy)
     parts["micro_batches"] = float(n_micro)  # informational: neither seconds nor bytes
     if train and mfc.recompute_forward:
         # One forward over the replica's whole batch (every minibatch), in micro-batches of the
@@ -362,7 +379,8 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: 
     spec = geo.spec
     per_round = math.ceil(seqs / rounds)
     prompt_tokens = per_round * max(batch.prompt_len, 1)
-    n_prefill = min(per_round, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(prompt_tokens / MAX_MICRO_TOKENS)))
+    # A round prefills its prompts in one packed pass (pp = 1) or one per pipeline micro-batch.
+    n_prefill = min(per_round, layout.pp)
     prefill = _pass_time(geo, layout, links, prompt_tokens, n_prefill, batch.prompt_len / 2, 1)
     parts = {"prefill_s": prefill.pop("compute_s")}
     parts.update(prefill)
@@ -389,6 +407,9 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: 
     parts = {k: rounds * v for k, v in parts.items()}
     parts["weights_bytes"] = weights
     parts["kv_cache_bytes"] = per_round * batch.seq_len * geo.kv_bytes_per_token_layer * geo.stage_layers
-    parts["activation_bytes"] = _activation_bytes(geo, layout, prompt_tokens / n_prefill, 1, False)
+    # Prefill keeps the logits of each prompt's last token only, so its peak is a block's working
+    # set; sampling's [rows, vocab] buffers (gathered on tp rank 0) are the other candidate.
+    prefill_bytes = prompt_tokens / n_prefill * inference_bytes_per_token_layer(spec, layout.tp)
+    parts["activation_bytes"] = max(prefill_bytes, per_round * spec.vocab_size * SAMPLING_BYTES_PER_LOGIT)
     parts["generation_rounds"] = float(rounds)  # informational
     return parts

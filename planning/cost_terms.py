@@ -146,14 +146,32 @@ def _geometry(spec: ModelSpec, critic: bool, tp: int, pp: int) -> CallGeometry |
 
 
 def activation_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
-    """bf16 activations one block stores per token for backward (no recomputation, flash
-    attention, no sequence parallelism): residual/norm inputs whole, projections split by tp."""
+    """Bytes one block stores per token for backward (no recomputation, no sequence parallelism).
+
+    Whole on every tp rank: each of the two RMSNorms saves its float32 input (it normalises in
+    float32, as HF does), its bf16 normalised value and its output (the projections' input):
+    8 h bytes each. Split by tp (bf16): q, the attention output, K and V as the attention kernel
+    saves them, gate, up, the SiLU output and the product. K and V are counted expanded to the
+    query heads, as the varlen kernel of torch < 2.12 takes them (GQA kernels save less)."""
     h, d = spec.hidden_size, spec.head_dim
     q_dim, kv_dim = spec.n_heads * d, spec.n_kv_heads * d
     kv_split = 1 if kv_replicated(spec, tp) else tp
-    whole = 4 * h  # two norm inputs, two residual branch outputs
-    split = (2 * q_dim + 4 * spec.intermediate_size) / tp + 2 * kv_dim / kv_split  # q, attn out; gate, up, act, prod; k, v
-    return 2.0 * (whole + split)
+    whole_bytes = 2 * 8 * h
+    split = (2 * q_dim + 4 * spec.intermediate_size) / tp + 2 * max(q_dim / tp, kv_dim / kv_split)
+    return whole_bytes + 2.0 * split
+
+
+def inference_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
+    """bf16 working set of one block per token in a forward without autograd, at its fullest: the
+    residual stream, the norm output and the block input whole, plus either the MLP's gate
+    activation, up projection and their product, or attention's q, k, v, rotated q and k, and
+    output (split by tp), whichever is larger. Earlier blocks' tensors are already freed."""
+    h, d = spec.hidden_size, spec.head_dim
+    q_dim, kv_dim = spec.n_heads * d, spec.n_kv_heads * d
+    kv_split = 1 if kv_replicated(spec, tp) else tp
+    mlp = 3 * spec.intermediate_size / tp
+    attention = 3 * q_dim / tp + 4 * kv_dim / kv_split
+    return 2.0 * (4 * h + max(mlp, attention))
 
 
 def allreduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:

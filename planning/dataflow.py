@@ -68,6 +68,7 @@ class MFC:
         actors.worker.behaviour.reuses_forward_logprobs says; PPO has its actor_inf call instead).
     expected_runs: how many times the call runs per iteration on average (DAPO's dynamic
     sampling generates more rounds until enough groups with distinct rewards remain).
+    with_entropy: a train call whose loss has an entropy bonus (more memory per logit).
     """
 
     name: str
@@ -79,6 +80,7 @@ class MFC:
     n_minibatches: int = 1
     recompute_forward: bool = False
     expected_runs: float = 1.0
+    with_entropy: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -294,6 +296,16 @@ def prune_graph(graph: Graph, unread: Iterable[str] = ()) -> Graph:
         if len(kept) == len(calls):
             return replace(graph, mfcs=tuple(kept))
         calls = kept
+
+
+def with_entropy_bonus(graph: Graph) -> Graph:
+    """The same graph whose actor training adds an entropy bonus to its loss (ppo.entropy_coef >
+    0): the cost model then counts the entropy's float32 [token, vocab] buffers. DPO's loss has
+    no entropy term, so its graph is returned unchanged."""
+    if graph.algorithm == "dpo":
+        return graph
+    return replace(graph, mfcs=tuple(replace(m, with_entropy=True) if m.kind == "train" and m.role == "actor" else m
+                                     for m in graph.mfcs))
 
 
 def with_staleness(graph: Graph, max_staleness: int) -> Graph:

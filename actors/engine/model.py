@@ -182,7 +182,12 @@ class DecoderTrunk(nn.Module):
 
     def __init__(self, spec: ModelSpec, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.embed_tokens: nn.Module | None = nn.Embedding(spec.vocab_size, spec.hidden_size, device=device)
+        shape = (spec.vocab_size, spec.hidden_size)
+        # On the meta device (how the engine builds shards) nn.Embedding's own normal_ init runs
+        # torch's Python reference kernels, whose first use imports torch._dynamo: ~2 s of every
+        # worker's start, for values that init_weights or a checkpoint replaces anyway.
+        weight = torch.empty(shape, device=device) if torch.device(device or "cpu").type == "meta" else None
+        self.embed_tokens: nn.Module | None = nn.Embedding(*shape, device=device, _weight=weight)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, i, device) for i in range(spec.n_layers)})
         self.norm: nn.Module | None = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
 

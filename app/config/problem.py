@@ -22,6 +22,7 @@ from planning.dataflow import (
     ppo_graph,
     prune_graph,
     remax_graph,
+    with_entropy_bonus,
     with_staleness,
 )
 from planning.hardware import GiB, hardware_preset
@@ -53,7 +54,8 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
     """The graph that runs: `algorithm_graph` without the calls whose outputs no loss reads under
     this config (`unread_keys`), with run.max_staleness. The planner and the driver both get this
     graph, so a dropped call is neither planned, loaded nor run."""
-    return with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
+    graph = with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
+    return with_entropy_bonus(graph) if cfg.ppo.entropy_coef > 0 else graph
 
 
 def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:

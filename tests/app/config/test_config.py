@@ -304,3 +304,14 @@ def test_new_algorithms_build_their_graph_and_run_ahead(algorithm: str) -> None:
     graph = build_problem(cfg).graph
     assert graph.algorithm == algorithm and graph.max_staleness == 2
     assert graph.mfc("actor_gen").batch.n_seqs == 8 * 8  # batch.group_size 8 samples per prompt
+
+
+def test_an_entropy_bonus_is_planned_where_a_loss_has_it() -> None:
+    """ppo.entropy_coef > 0 marks actor training (its float32 entropy buffers are priced); the
+    critic's value loss and DPO's loss have no entropy term."""
+    tiny = EXAMPLES / "ppo-tiny.yaml"
+    assert not any(m.with_entropy for m in build_problem(load_config(tiny)).graph.mfcs)
+    bonus = build_problem(load_config(tiny, ["ppo.entropy_coef=0.01"]))
+    assert [m.name for m in bonus.graph.mfcs if m.with_entropy] == ["actor_train"]
+    dpo = build_problem(load_config(EXAMPLES / "dpo-tiny.yaml", ["ppo.entropy_coef=0.01"]))
+    assert not any(m.with_entropy for m in dpo.graph.mfcs)

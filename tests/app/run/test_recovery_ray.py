@@ -69,6 +69,15 @@ def first_time(name: str) -> bool:
     return True
 
 
+def die_mid_op() -> None:
+    """SIGKILL this process inside an op, after the reply of its previous op has left. Killed the
+    instant an op starts, a worker can take its previous op's reply with it (Ray sends replies
+    asynchronously), and the driver then rightly names that previous op; a real death mid-write
+    or mid-transfer comes some time into the op."""
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def die_soon(max_delay_s: float) -> None:
     """SIGKILL this process after a random delay (from another thread: the call goes on)."""
     delay = random.uniform(0.0, max_delay_s)
@@ -93,7 +102,7 @@ class DiesInReallocation(ModelWorker):
     def reallocate(self, role: str, src: Placement, dst: Placement) -> dict:
         DiesInReallocation.reallocations += 1
         if self.rank == 0 and DiesInReallocation.reallocations == 3 and first_time("realloc"):
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_mid_op()
         return super().reallocate(role, src, dst)
 
 
@@ -107,7 +116,7 @@ class DiesWritingCheckpoint(ModelWorker):
         if self.rank == 2 and DiesWritingCheckpoint.saves == 2 and first_time("checkpoint"):
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "tp0-pp0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"half")
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_mid_op()
         return super().save_state(role, out_dir)
 
 
