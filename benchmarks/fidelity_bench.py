@@ -23,9 +23,9 @@ by the user) runs WHY_ITERATIONS iterations. Results: <out>/fidelity.json and a 
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import math
+import os
 import random
 import statistics
 import sys

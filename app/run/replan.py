@@ -39,6 +39,7 @@ from planning.calibrate import Calibration, CallMeasurement, calibrate, calibrat
 from planning.cost import PlanningProblem
 from planning.hardware import GiB
 from planning.plan import ExecutionPlan, Placement
+from planning.planner_service import PlannerService
 from planning.realloc_plan import plan_reallocation
 from planning.simulate import simulate
 
@@ -156,8 +157,6 @@ class Replanner:
         return self._decision(iteration, result.plan, problem, calibration, result.est_iteration_s, "")
 
     def _start_search(self) -> None:
-        from planning.planner_service import PlannerService
-
         calibration = calibrate(self.problem, self.plan, self.measured())
         problem = calibrated_problem(self.problem, calibration)
         p = self.cfg.plan

@@ -58,6 +58,7 @@ from cluster.resources import RayClusterInfo, RayStartOptions, connect
 from planning.cost import PlanningProblem
 from planning.models import ModelSpec
 from planning.plan import ExecutionPlan, Placement
+from planning.planner_service import PlannerService
 from planning.realloc_plan import plan_reallocation
 
 TOY_TOKENIZER = "app.data.toy_task:CharTokenizer"
@@ -221,8 +222,6 @@ def join_virtual_cluster(virtual: bool) -> None:
 def start_plan_search(inputs: TrainInputs) -> tuple[Any, ray.ObjectRef]:
     """Submit the plan search to a `PlannerService` actor (no CPU reserved: it must not hold
     back the workers); returns the actor (for `wait_plan` to stop) and the ref of its result."""
-    from planning.planner_service import PlannerService
-
     p = inputs.cfg.plan
     planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()
     return planner, planner.search.remote(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual)

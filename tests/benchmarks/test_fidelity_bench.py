@@ -34,3 +34,13 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
         assert result["errors"]["time_before"]["median"] is not None
     table = done.stdout.strip().splitlines()
     assert table[-4].startswith("run") and table[-2].startswith("tiny-why-grpo") and table[-1].startswith("tiny-ppo")
+    # Re-pricing the runs with the cost model that planned them gives back the logged estimates.
+    for result in results:
+        for row in result["calls"]:
+            row["measured_peak_gib"] = row["est_peak_gib"]
+    (tmp_path / "fidelity.json").write_text(json.dumps(results))
+    repriced = subprocess.run([sys.executable, "benchmarks/reprice_fidelity.py", str(tmp_path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+    assert repriced.returncode == 0, repriced.stderr[-3000:]
+    rows = [line for line in repriced.stdout.splitlines() if line.startswith("| tiny-")]
+    assert [r.split(" | ")[2] for r in rows] == ["0.0% / 0.0% |"] * 2, repriced.stdout

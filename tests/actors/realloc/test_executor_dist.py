@@ -82,11 +82,17 @@ def _shards(spec: ModelSpec, critic: bool, placement: Placement, gpu: int,
 SETTINGS = ((1024, 64, 16, False), (1024, 64, 16, True), (256 * 1024**2, 64 * 1024**2, 32 * 1024**2, None))
 
 
+def _settings(case_index: int) -> tuple[tuple[int, int, int, bool | None], ...]:
+    """The settings a case runs: the copy kernel (slow under Triton's CPU interpreter) on the
+    first case only; its slicing does not depend on which tensors a model has."""
+    return SETTINGS if case_index == 0 else tuple(s for s in SETTINGS if s[3] is not True)
+
+
 def _grid(rank: int, world_size: int) -> list[dict[tuple[int, int], int]]:
     """Run every (case, pair, bucket size) on this rank; return the bytes it received per link."""
     groups = ReallocGroups()
     links: list[dict[tuple[int, int], int]] = []
-    for spec, critic in CASES:
+    for case_index, (spec, critic) in enumerate(CASES):
         full = _full_model(spec, critic)
         for src, dst in PAIRS:
             plan = plan_reallocation(spec, critic, src, dst)
@@ -95,7 +101,7 @@ def _grid(rank: int, world_size: int) -> list[dict[tuple[int, int], int]]:
             # and shrinking size and unpacked (direct) messages of every slice of >= 64 bytes, with
             # torch copies and with the copy kernel (Triton's interpreter); the defaults pack every
             # slice of this tiny model into one round.
-            for bucket_bytes, direct_min_bytes, lead_bytes, kernels in SETTINGS:
+            for bucket_bytes, direct_min_bytes, lead_bytes, kernels in _settings(case_index):
                 src_shards = _shards(spec, critic, src, rank, full)
                 before = {k: v.clone() for k, v in src_shards.items()}
                 out, stats = execute_reallocation(plan, rank, src_shards, groups, "cpu", torch.float32, bucket_bytes,
@@ -120,10 +126,10 @@ def test_grid_of_reallocations_is_exact() -> None:
     per_rank = run_distributed(_grid, 4)
     # Bytes each rank received per link add up to the plan's own count (fp32 on the wire).
     i = 0
-    for spec, critic in CASES:
+    for case_index, (spec, critic) in enumerate(CASES):
         for src, dst in PAIRS:
             expected = plan_reallocation(spec, critic, src, dst).bytes_per_link(dtype_bytes=4)
-            for _ in range(len(SETTINGS)):
+            for _ in _settings(case_index):
                 measured: dict[tuple[int, int], int] = {}
                 for rank_links in per_rank:
                     measured.update(rank_links[i])

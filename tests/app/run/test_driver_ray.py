@@ -12,9 +12,9 @@
   rank that stopped, not its peer waiting in a collective), and leave metrics.jsonl valid;
 * a run started from a checkpoint's exported actor and critic (the README's recipe) has the
   trained weights: its first KL to the untouched reference is non-zero, a fresh run's is 0;
-* the learning check: 40 iterations of the default config; the mean reward of the last 5 must
-  exceed the first 5 by LEARNING_MARGIN. Measured on the 2-core dev machine (2026-11-30): first 5
-  0.012, last 5 0.385 (margin 0.37) in 49 s, so it runs in CI (well under 3 minutes).
+* the learning check: 30 iterations of the default config; the mean reward of the last 5 must
+  exceed the first 5 by LEARNING_MARGIN. Measured on the 2-core dev machine (2026-12-02): first 5
+  0.007, last 5 0.296 (after all 40: 0.450), so it runs in CI (well under a minute).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_dead_worker_ends_the_run_naming_call_and_worker(ray_session: None, tmp_
 
 
 def test_stalled_worker_times_out_naming_call_and_worker(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    cfg = tiny_config(tmp_path, "run.iterations=2", "run.call_timeout_s=20", "checkpoint.at_end=false",
+    cfg = tiny_config(tmp_path, "run.iterations=2", "run.call_timeout_s=10", "checkpoint.at_end=false",
                       "run.max_restarts=0")
     driver = Driver(cfg, tmp_path, worker_cls=StallingWorker)
     started = time.monotonic()
@@ -170,12 +170,12 @@ def test_stalled_worker_times_out_naming_call_and_worker(ray_session: None, tmp_
 
 
 def test_ppo_learns_the_toy_task(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    cfg = tiny_config(tmp_path, "checkpoint.at_end=false", "checkpoint.every=0")
+    cfg = tiny_config(tmp_path, "checkpoint.at_end=false", "checkpoint.every=0", "run.iterations=30")
     started = time.monotonic()
     Driver(cfg, tmp_path).run()
     elapsed = time.monotonic() - started
     rewards = [m["rollout/reward_mean"] for m in read_metrics(tmp_path)]
-    assert len(rewards) == 40
+    assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"learning: first 5 {first:.3f}, last 5 {last:.3f}, {elapsed:.0f} s")
     assert last > first + LEARNING_MARGIN, f"reward did not climb: first 5 {first:.3f}, last 5 {last:.3f}"
