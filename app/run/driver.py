@@ -149,9 +149,9 @@ class Driver:
         self._worker_cls = worker_cls
         cfg = self.cfg
         self._info = connect_cluster(cfg)
-        planner, plan_ref = start_plan_search(self.inputs)  # the search runs while the workers start
+        pending = start_plan_search(self.inputs)  # a search runs while the workers start
         self._start_workers()
-        self.search = wait_plan(cfg, planner, plan_ref)
+        self.search = wait_plan(cfg, pending)
         self.plan = self.search.plan
         check_headroom(self.problem, self.plan)  # ConfigError before any call
         self.estimates = call_estimates(self.problem, self.plan)

@@ -9,8 +9,9 @@ Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
 `connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; picks the planner's nodes of
-the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (the search
-runs in a `PlannerService` actor while the workers start), `start_workers` + `init_world` (one
+the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (a search
+runs in a `PlannerService` actor while the workers start; a manual or heuristic plan is priced
+in the driver at once), `start_workers` + `init_world` (one
 `ModelWorker` per GPU, torch.distributed rendezvous with a timeout), `setup_groups` (every
 process group the plan will use: each placement's layout groups and each reallocation's
 broadcast groups, created once, in one order, on every rank) and `load_models` (trained roles
@@ -60,6 +61,7 @@ from planning.models import ModelSpec
 from planning.plan import ExecutionPlan, Placement
 from planning.planner_service import PlannerService
 from planning.realloc_plan import plan_reallocation
+from planning.search import SearchResult
 
 TOY_TOKENIZER = "app.data.toy_task:CharTokenizer"
 PLAN_GRACE_S = 120.0  # the planner actor gets the search budget plus this before the driver gives up
@@ -219,24 +221,46 @@ def join_virtual_cluster(virtual: bool) -> None:
         ray.init(address=address)
 
 
-def start_plan_search(inputs: TrainInputs) -> tuple[Any, ray.ObjectRef]:
+# Plan modes that only price a plan (the one given, or the symmetric one): milliseconds, so they
+# run in the driver; a search gets its own process (a PlannerService actor).
+PRICING_MODES = ("manual", "heuristic")
+
+
+@dataclass(frozen=True)
+class PendingPlan:
+    """A plan being searched by `planner` (its result behind `ref`), or already `result`."""
+
+    planner: Any | None = None
+    ref: ray.ObjectRef | None = None
+    result: SearchResult | None = None
+
+
+def start_plan_search(inputs: TrainInputs) -> PendingPlan:
     """Submit the plan search to a `PlannerService` actor (no CPU reserved: it must not hold
-    back the workers); returns the actor (for `wait_plan` to stop) and the ref of its result."""
+    back the workers), which `wait_plan` waits for; a pricing mode runs here at once, so a
+    manual plan that cannot run fails before any worker starts."""
     p = inputs.cfg.plan
+    if p.mode in PRICING_MODES:
+        try:
+            return PendingPlan(result=PlannerService().search(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual))
+        except ValueError as exc:
+            raise search_error(inputs.cfg, exc) from None
     planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()
-    return planner, planner.search.remote(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual)
+    return PendingPlan(planner, planner.search.remote(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual))
 
 
-def wait_plan(cfg: ExperimentConfig, planner: Any, ref: ray.ObjectRef) -> Any:
+def wait_plan(cfg: ExperimentConfig, pending: PendingPlan) -> SearchResult:
     """The search result, then the planner actor is stopped. A search that finds no plan is a
     ConfigError naming the plan or the cluster."""
+    if pending.result is not None:
+        return pending.result
     try:
-        return ray.get(ref, timeout=cfg.plan.seconds + PLAN_GRACE_S)
+        return ray.get(pending.ref, timeout=cfg.plan.seconds + PLAN_GRACE_S)
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, ValueError) else ValueError(str(exc))
         raise search_error(cfg, cause) from None
     finally:
-        ray.kill(planner)
+        ray.kill(pending.planner)
 
 
 def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -> WorkerGroup:
@@ -315,7 +339,7 @@ def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models",
-    "optimizer_params", "plan_groups", "preflight", "role_models", "setup_groups", "start_plan_search",
+    "PRICING_MODES", "PendingPlan", "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world",
+    "load_models", "optimizer_params", "plan_groups", "preflight", "role_models", "setup_groups", "start_plan_search",
     "start_workers", "wait_plan",
 ]

@@ -250,18 +250,6 @@ def test_generate_on_ray_matches_the_local_path_greedy(ray_session: None, tmp_pa
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
 
 
-@pytest.mark.parametrize("algorithm, extra", [("grpo", ["batch.group_size=4"]), ("remax", [])])
-def test_other_algorithms_run_through_the_driver(ray_session: None, tmp_path: Path, algorithm: str,  # noqa: F811
-                                                 extra: list[str]) -> None:
-    cfg = tiny_config(tmp_path, f"algorithm={algorithm}", "plan.mode=heuristic", "batch.prompts=16",
-                      "run.iterations=2", *extra)
-    rows = Driver(cfg, tmp_path).run()
-    assert [int(r["iteration"]) for r in rows] == [0, 1]
-    assert all(r["actor/pg_loss"] == r["actor/pg_loss"] and r["rollout/reward_mean"] >= 0 for r in rows)
-    assert (tmp_path / "checkpoints" / "iter_2" / "actor" / "config.json").is_file()
-    assert not (tmp_path / "checkpoints" / "iter_2" / "critic").exists()  # neither trains a critic
-
-
 def test_a_run_starts_from_a_checkpoints_weights(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
     # The README's recipe: point actor and critic at a checkpoint, keep the reference original.
     first = tmp_path / "first"

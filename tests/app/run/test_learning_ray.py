@@ -4,7 +4,8 @@
 * each examples/<algorithm>-tiny.yaml runs as `python -m app train` would, and the mean reward of
   its last 5 iterations must exceed its first 5 by MARGIN (PPO's own check is in
   test_driver_ray.py). Measured on the 2-core dev machine, shared with other jobs (2026-12-01), 15
-  iterations each: see README.md "Algorithms" for the figures;
+  iterations each: see README.md "Algorithms" for the figures; each run ends with an HF export
+  of the actor and no critic (none of these algorithms has one);
 * examples/ppo-async-tiny.yaml (run.max_staleness 1, generation alone on GPUs 0-1): in
   timeline.jsonl the generation of iteration i + 1 runs while iteration i trains on GPUs 2-3; the
   metrics log staleness 1 and the importance weights used; the reward rises.
@@ -19,6 +20,7 @@ import pytest
 from app.config import load_config
 from app.reporting.timeline import TimelineRecord, read_records, span
 from app.reporting.tracking import read_metrics
+from app.run.checkpoint import latest_checkpoint
 from app.run.driver import Driver
 from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
@@ -42,7 +44,12 @@ def rise(metrics: list[dict[str, float]]) -> tuple[float, float]:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_learns_the_toy_task(ray_session: None, tmp_path: Path, algorithm: str) -> None:  # noqa: F811
-    metrics = run_example(f"{algorithm}-tiny", tmp_path)
+    metrics = run_example(f"{algorithm}-tiny", tmp_path, "checkpoint.at_end=true")
+    # The run's end exports the trained actor as an HF model; none of these algorithms has a critic.
+    final = latest_checkpoint(tmp_path)
+    assert final is not None and final.name == f"iter_{len(metrics)}"
+    assert (final / "actor" / "config.json").is_file() and not (final / "critic").exists()
+    assert all(m["actor/pg_loss"] == m["actor/pg_loss"] for m in metrics)  # no NaN
     first, last = rise(metrics)
     print(f"{algorithm}: first 5 {first:.3f}, last 5 {last:.3f}")
     assert last > first + MARGIN, f"{algorithm}: reward did not climb: first 5 {first:.3f}, last 5 {last:.3f}"
