@@ -39,9 +39,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from planning.cost_terms import (
+    SAMPLING_BYTES_PER_LOGIT,
     CallGeometry,
     OpEfficiency,
-    activation_bytes_per_token_layer,
+    activation_bytes,
     allreduce_s,
     call_geometry,
     dp_bandwidth,
@@ -62,15 +63,6 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 # HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
 # (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
 OPTIMIZER_TRAFFIC_PER_PARAM = 28
-# Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
-# saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
-TRAIN_LOGIT_BYTES = 4
-# More with an entropy bonus (ppo.entropy_coef > 0): the entropy saves float32 probabilities and
-# shifted logits, and its backward holds two more float32 [token, vocab/tp] temporaries.
-ENTROPY_LOGIT_BYTES = 16
-# Bytes per [row, vocab] logit while sampling a step: gathered bf16 logits, fp32 scaled and
-# sorted values, int64 sort indices, fp32 cumulative probabilities (top-k/top-p; less without).
-SAMPLING_BYTES_PER_LOGIT = 22
 # HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
 # sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
 SAMPLING_PASSES = 8
@@ -310,23 +302,6 @@ def _pass_time(
     return out
 
 
-def _activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool,
-                      with_entropy: bool = False) -> float:
-    """Activation memory of the fullest stage: stored activations of `in_flight` micro-batches
-    plus the logits and their gradient on the last stage (train), or the larger of one block's
-    working set and the head's (inference: the blocks' tensors are freed before the head runs)."""
-    head_cols = 1 if geo.critic else geo.spec.vocab_size / layout.tp
-    if train:
-        logit_bytes = TRAIN_LOGIT_BYTES + (ENTROPY_LOGIT_BYTES if with_entropy and not geo.critic else 0)
-        logits = mb_tokens * head_cols * logit_bytes
-        return in_flight * mb_tokens * activation_bytes_per_token_layer(geo.spec, layout.tp) * geo.stage_layers + logits
-    block = mb_tokens * inference_bytes_per_token_layer(geo.spec, layout.tp)
-    # The fused logprob kernels read the bf16 logits in place; the final hidden states and their
-    # norm stay alive beside them.
-    head = mb_tokens * (head_cols * 2 + 2 * geo.spec.hidden_size * 2)
-    return max(block, head)
-
-
 def _forward_backward(
     mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, n_micro: int,
 ) -> dict[str, float]:
@@ -338,7 +313,7 @@ def _forward_backward(
     steps = mfc.n_minibatches if train else 1
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
     parts["weights_bytes"] = 2.0 * geo.stage_params
-    parts["activation_bytes"] = _activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
+    parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
                                                   mfc.with_entropy)
     parts["micro_batches"] = float(n_micro)  # informational: neither seconds nor bytes
     if train and mfc.recompute_forward:

@@ -1,9 +1,11 @@
-"""Per-GPU shapes and communication formulas the cost model (`planning.cost`) is built from.
+"""Per-GPU shapes, memory terms and communication formulas the cost model (`planning.cost`) is
+built from.
 
 `call_geometry` turns (model, critic?, tp, pp) into what one GPU of the fullest pipeline stage
 holds and computes: parameters, decoder blocks, FLOPs per token and KV-cache bytes. It is cached
 because the stage partition is a dynamic programme over layers and the search asks for the same
-(model, layout) thousands of times.
+(model, layout) thousands of times. `activation_bytes` and the per-token counts it uses give the
+transient memory of a call as the engine allocates it (tests/planning/test_cost_memory.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from planning.models import ModelSpec, kv_replicated, pipeline_partition, valida
 # Ceiling of an efficiency factor. Profiles measure fractions of their own peaks (<= 1); a run's
 # self-calibration (`planning.calibrate`) may find a machine faster than its preset says (> 1).
 MAX_EFFICIENCY = 4.0
+
+# Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
+# saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
+TRAIN_LOGIT_BYTES = 4
+# More with an entropy bonus (ppo.entropy_coef > 0): the entropy saves float32 probabilities and
+# shifted logits, and its backward holds two more float32 [token, vocab/tp] temporaries.
+ENTROPY_LOGIT_BYTES = 16
+# Bytes per [row, vocab] logit while sampling a step: gathered bf16 logits, fp32 scaled and
+# sorted values, int64 sort indices, fp32 cumulative probabilities (top-k/top-p; less without).
+SAMPLING_BYTES_PER_LOGIT = 22
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,23 @@ def inference_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
     mlp = 3 * spec.intermediate_size / tp
     attention = 3 * q_dim / tp + 4 * kv_dim / kv_split
     return 2.0 * (4 * h + max(mlp, attention))
+
+
+def activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool,
+                      with_entropy: bool = False) -> float:
+    """Activation memory of the fullest stage: stored activations of `in_flight` micro-batches
+    plus the logits and their gradient on the last stage (train), or the larger of one block's
+    working set and the head's (inference: the blocks' tensors are freed before the head runs)."""
+    head_cols = 1 if geo.critic else geo.spec.vocab_size / layout.tp
+    if train:
+        logit_bytes = TRAIN_LOGIT_BYTES + (ENTROPY_LOGIT_BYTES if with_entropy and not geo.critic else 0)
+        logits = mb_tokens * head_cols * logit_bytes
+        return in_flight * mb_tokens * activation_bytes_per_token_layer(geo.spec, layout.tp) * geo.stage_layers + logits
+    block = mb_tokens * inference_bytes_per_token_layer(geo.spec, layout.tp)
+    # The fused logprob kernels read the bf16 logits in place; the final hidden states and their
+    # norm stay alive beside them.
+    head = mb_tokens * (head_cols * 2 + 2 * geo.spec.hidden_size * 2)
+    return max(block, head)
 
 
 def allreduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:

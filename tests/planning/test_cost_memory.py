@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from planning.cost import (
+from planning.cost import PlanningProblem, call_cost, rlhf_problem
+from planning.cost_terms import (
     ENTROPY_LOGIT_BYTES,
     SAMPLING_BYTES_PER_LOGIT,
     TRAIN_LOGIT_BYTES,
-    PlanningProblem,
-    call_cost,
-    rlhf_problem,
+    activation_bytes_per_token_layer,
+    inference_bytes_per_token_layer,
 )
-from planning.cost_terms import activation_bytes_per_token_layer, inference_bytes_per_token_layer
 from planning.dataflow import BatchShape, outcome_graph, with_entropy_bonus
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
