@@ -130,15 +130,16 @@ class Replanner:
                                       max(self._peaks[name]) if self._peaks.get(name) else None)
                 for name, seconds in self._seconds.items()}
 
-    def poll(self, iteration: int) -> PlanDecision | None:
+    def poll(self, iteration: int, more_to_run: bool = True) -> PlanDecision | None:
         """Start the calibration and search once enough iterations are in; return the decision
         once the search has answered (None before, and ever after). The search runs while the
         next iteration does; at that iteration's collection the driver waits for it, so the
-        decision always comes one iteration after the calibration."""
+        decision always comes one iteration after the calibration. No search starts when no
+        iteration is left to run (its answer could change nothing)."""
         if not self.enabled or self._done:
             return None
         if self._search is None:
-            if len(self._iterations) >= (self.cfg.plan.recalibrate_after or 0):
+            if more_to_run and len(self._iterations) >= (self.cfg.plan.recalibrate_after or 0):
                 self._start_search()
             return None
         planner, ref, calibration, problem = self._search
@@ -177,7 +178,7 @@ class Replanner:
         plan_history.jsonl, one console line) and return it with its plan/* metrics. The decision's
         plan is None unless the run switches (a switch with no iteration left to run is not made)."""
         self.observe(iteration, records)
-        decision = self.poll(iteration)
+        decision = self.poll(iteration, more_to_run)
         if decision is None:
             return {}, None
         switching = decision.plan is not None and more_to_run
