@@ -347,7 +347,8 @@ class Driver:
         """Feed the re-planner; on a decision adopt the calibrated model (and schedule a switch)."""
         assert self.replanner is not None
         metrics, decision = self.replanner.collect(iteration, records, self.run_dir,
-                                                   self._submitted() < self.total_iterations)
+                                                   self._submitted() < self.total_iterations,
+                                                   last=iteration + 1 >= self.total_iterations)
         if decision is not None:
             self.problem = decision.problem
             self.estimates = call_estimates(self.problem, self.plan)

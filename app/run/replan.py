@@ -130,16 +130,16 @@ class Replanner:
                                       max(self._peaks[name]) if self._peaks.get(name) else None)
                 for name, seconds in self._seconds.items()}
 
-    def poll(self, iteration: int, more_to_run: bool = True) -> PlanDecision | None:
+    def poll(self, iteration: int, last: bool = False) -> PlanDecision | None:
         """Start the calibration and search once enough iterations are in; return the decision
         once the search has answered (None before, and ever after). The search runs while the
         next iteration does; at that iteration's collection the driver waits for it, so the
-        decision always comes one iteration after the calibration. No search starts when no
-        iteration is left to run (its answer could change nothing)."""
+        decision always comes one iteration after the calibration. No search starts after the
+        run's `last` iteration (no collection would receive its answer)."""
         if not self.enabled or self._done:
             return None
         if self._search is None:
-            if more_to_run and len(self._iterations) >= (self.cfg.plan.recalibrate_after or 0):
+            if not last and len(self._iterations) >= (self.cfg.plan.recalibrate_after or 0):
                 self._start_search()
             return None
         planner, ref, calibration, problem = self._search
@@ -173,12 +173,13 @@ class Replanner:
                             failure or reason)
 
     def collect(self, iteration: int, records: Sequence[TimelineRecord], run_dir: Path,
-                more_to_run: bool) -> tuple[dict[str, float], PlanDecision | None]:
+                more_to_run: bool, last: bool = False) -> tuple[dict[str, float], PlanDecision | None]:
         """One collected iteration: observe it, and when a decision arrives record it (history,
         plan_history.jsonl, one console line) and return it with its plan/* metrics. The decision's
-        plan is None unless the run switches (a switch with no iteration left to run is not made)."""
+        plan is None unless the run switches (a switch with no iteration left to submit, `more_to_run`
+        false, is not made); `last` is the run's final iteration (no search starts after it)."""
         self.observe(iteration, records)
-        decision = self.poll(iteration, more_to_run)
+        decision = self.poll(iteration, last)
         if decision is None:
             return {}, None
         switching = decision.plan is not None and more_to_run

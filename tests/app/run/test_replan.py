@@ -78,13 +78,13 @@ def test_measured_calls_skip_the_warm_up_iteration_and_history_is_json() -> None
 
 
 def test_no_search_starts_after_the_last_iteration(tmp_path: Path) -> None:
-    """recalibrate_after = run.iterations: the calibration point is the run's end, where no plan
-    could be switched to, so no planner process is started (the collect returns nothing)."""
+    """recalibrate_after = run.iterations: the calibration point is the run's last iteration,
+    after which no collection would receive the search's answer, so no planner process starts."""
     inputs = tiny_inputs("plan.recalibrate_after=1")
     plan = search_plan(inputs.problem, "manual", manual=inputs.manual).plan
     replanner = Replanner(inputs.cfg, inputs.problem, plan, 0.1)
     records = [TimelineRecord(0, m.name, "call", 0, 0.0, 1.0) for m in inputs.problem.graph.mfcs]
-    assert replanner.collect(0, records, tmp_path, more_to_run=False) == ({}, None)
+    assert replanner.collect(0, records, tmp_path, more_to_run=False, last=True) == ({}, None)
     assert replanner._search is None and not (tmp_path / "plan_history.jsonl").exists()
 
 
