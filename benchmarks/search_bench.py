@@ -68,8 +68,10 @@ def ppo_problem(nodes: int, actor: str, critic: str, batch: BatchShape, hardware
 
 def part_a(quick: bool, seed: int) -> list[Row]:
     problem = ppo_problem(1, "llama-7b", "llama-7b", BatchShape(512, 512, 512))
-    # The restricted space the exhaustive search can cover: ~2e5 plans (quick) or ~1e6.
-    options = CandidateOptions(layouts_per_size=1, max_classes=3) if quick else CandidateOptions(max_classes=6)
+    # The restricted space the exhaustive search can cover: ~5e3 plans (quick) or ~2e5. PPO has seven
+    # calls since the actor's logprob recompute (actor_inf); max_classes=5 would be 2.2e6 plans, over
+    # the exhaustive limit.
+    options = CandidateOptions(max_classes=3) if quick else CandidateOptions(max_classes=4)
     t0 = time.perf_counter()
     exact = search_plan(problem, "exhaustive", options=options)
     exhaustive_s = time.perf_counter() - t0

@@ -30,6 +30,29 @@ from planning.realloc_plan import estimate_realloc_s
 # A record of one scheduled task: (name, kind, iteration, gpu bitmask, start_s, end_s).
 TaskRecord = tuple[str, str, int, int, float, float]
 
+# Distinct resident placements remembered by one PlanSpace (a few hundred bytes each).
+RESIDENT_MEMO_SIZE = 65536
+
+
+def same_placement(cands: list[Placement], home_cands: list[Placement]) -> list[int]:
+    """Per candidate, the index of the equal placement among home_cands, or -1."""
+    index = {p: j for j, p in enumerate(home_cands)}
+    return [index.get(p, -1) for p in cands]
+
+
+def fullest_resident(static: list[tuple[int, int, float]], lo: int, hi: int) -> float:
+    """Bytes resident on the fullest GPU of [lo, hi), given resident terms (lo, hi, bytes per
+    GPU): that GPU is at lo or where a resident range starts inside [lo, hi)."""
+    resident = 0.0
+    for point in [lo] + [a for a, _, _ in static if lo < a < hi]:
+        total = 0.0
+        for a, b, v in static:
+            if a <= point < b:
+                total += v
+        if total > resident:
+            resident = total
+    return resident
+
 
 class ReallocCache:
     """Reallocation seconds per (role, source, destination), shared across plan spaces.
@@ -133,6 +156,15 @@ class PlanSpace:
         self.is_home = [m.role in trained and homes[m.role] == c for c, m in enumerate(graph.mfcs)]
         self._precompute()
         self._realloc_s: dict[tuple[int, int, int], float | str] = {}
+        # The calls whose placements decide the resident bytes (trained roles' homes, never-trained
+        # roles): states that agree on them share their resident terms and, per GPU range, the
+        # bytes resident on its fullest GPU (`_residents`), which is most of `call_levels`' work.
+        self._resident_calls = [c for c in range(len(self.names)) if self.is_home[c] or self.home[c] < 0]
+        # twin[c][k]: the home call's candidate index with the same placement as candidate k of
+        # call c (-1: none), so that `call_levels` tells a reallocated copy by comparing ints.
+        self.twin = [same_placement(cands, self.candidates[h]) if h >= 0 else []
+                     for h, cands in zip(self.home, self.candidates)]
+        self._resident_memo: dict[tuple[int, ...], tuple[list[tuple[int, int, float]], dict[tuple[int, int], float]]] = {}
 
     # ---- precomputation --------------------------------------------------------------------------
     def _precompute(self) -> None:
@@ -207,6 +239,17 @@ class PlanSpace:
                     static.append((self.lo[c][k], self.hi[c][k], self.weights[c][k]))
         return static
 
+    def _residents(self, state: list[int]) -> tuple[list[tuple[int, int, float]], dict[tuple[int, int], float]]:
+        """`resident_terms(state)` and a memo of fullest-GPU resident bytes per GPU range, shared
+        by every state with the same resident placements (cleared past RESIDENT_MEMO_SIZE)."""
+        key = tuple([state[c] for c in self._resident_calls])
+        found = self._resident_memo.get(key)
+        if found is None:
+            if len(self._resident_memo) >= RESIDENT_MEMO_SIZE:
+                self._resident_memo.clear()
+            found = self._resident_memo[key] = (self.resident_terms(state), {})
+        return found
+
     def call_levels(self, state: list[int], picks: list[int] | None = None,
                     peaks: list[float] | None = None) -> tuple[list[float], list[float], float]:
         """(seconds per call, transient bytes per call, worst memory excess). Each call takes its
@@ -215,30 +258,24 @@ class PlanSpace:
         its leanest and the excess says by how much the plan overflows (<= 0: it fits).
         picks / peaks, when given, receive each call's level index and its estimated peak bytes
         on its fullest GPU (resident + own copy + transient)."""
-        static = self.resident_terms(state)
+        static, fullest = self._residents(state)
         limit = self.mem_limit
         seconds: list[float] = []
         transient: list[float] = []
         excess = -math.inf
         for c, k in enumerate(state):
             lo, hi = self.lo[c][k], self.hi[c][k]
-            resident = 0.0
-            # The fullest GPU of [lo, hi) is at lo or where a resident range starts inside it.
-            for point in [lo] + [a for a, _, _ in static if lo < a < hi]:
-                total = 0.0
-                for a, b, v in static:
-                    if a <= point < b:
-                        total += v
-                if total > resident:
-                    resident = total
+            resident = fullest.get((lo, hi))
+            if resident is None:
+                resident = fullest[(lo, hi)] = fullest_resident(static, lo, hi)
             h = self.home[c]
-            own = self.weights[c][k] if h >= 0 and self.candidates[c][k] != self.candidates[h][state[h]] else 0.0
+            own = self.weights[c][k] if h >= 0 and self.twin[c][k] != state[h] else 0.0
             budget = limit - resident - own
             sizes, times = self.level_bytes[c][k], self.level_s[c][k]
-            pick = -1
-            for i, size in enumerate(sizes):
-                if size <= budget:
-                    pick = i
+            # Levels are leanest first and ever faster: the fastest that fits is the last one.
+            pick = len(sizes) - 1
+            while pick >= 0 and sizes[pick] > budget:
+                pick -= 1
             if pick < 0:
                 pick = 0
                 if sizes[0] - budget > excess:

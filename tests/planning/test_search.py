@@ -19,7 +19,7 @@ from planning.simulate import simulate
 
 pytestmark = pytest.mark.unit
 
-# A small space (a few 1e5 plans) the exhaustive search covers in about a second.
+# A small space the exhaustive search covers in seconds (4.4e5 plans for the 7B PPO problem).
 SMALL = CandidateOptions(layouts_per_size=1, max_classes=3)
 
 
