@@ -35,7 +35,9 @@ RESIDENT_MEMO_SIZE = 65536
 
 
 def same_placement(cands: list[Placement], home_cands: list[Placement]) -> list[int]:
-    """Per candidate, the index of the equal placement among home_cands, or -1."""
+    """Per candidate, the index of the equal placement among home_cands, or -1. A call's
+    candidates are distinct placements (`planning.candidates.call_candidates` drops repeats), so
+    the index is the only one."""
     index = {p: j for j, p in enumerate(home_cands)}
     return [index.get(p, -1) for p in cands]
 
