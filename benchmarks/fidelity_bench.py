@@ -17,7 +17,12 @@ first iteration after warm-up (iteration 1), the calibrated estimate against the
 (fitted) and against the next one (held out), and whether any call ran out of memory although the
 plan called it feasible. First, the issue's "Why" shape (GRPO, 1B actor + 1B reward model, 64
 prompts x 8 samples, 128-token prompts, 512 new tokens, ppo_minibatches=1, no allocator setting
-by the user) runs WHY_ITERATIONS iterations. Results: <out>/fidelity.json and a table printed last.
+by the user) runs WHY_ITERATIONS iterations.
+
+Every run of this script writes into a fresh directory `<out>/run-NNN/` (benchmarks/run_dirs.py;
+`<out>/latest` links to the newest), so the same command can run again: fidelity.json (every
+call of every shape) and one directory per shape (the run.dir of its training run: config.yaml,
+prompts.jsonl, plan.json, timeline.jsonl, ...). The table is printed last.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import yaml
 
 from app.config import ConfigError, ExperimentConfig, load_config
 from app.reporting.timeline import TimelineRecord, read_records
+from benchmarks.run_dirs import fresh_run_dir
 
 RECALIBRATE_AFTER = 2  # iterations 0 (warm-up) and 1 measured, the decision when iteration 2 is in
 ITERATIONS = 3
@@ -118,11 +124,12 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
 
 
 def run_shape(shape: Shape, tiny: bool, out: Path) -> dict[str, Any]:
-    """Train one shape; returns what ran (iterations, OOM, error) and the per-call comparison."""
+    """Train one shape in a new directory out/<shape name>; returns what ran (iterations, OOM,
+    error) and the per-call comparison."""
     from app.run import Driver, DriverError
 
     run_dir = out / shape.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True)  # out is this run's own directory: a second run never reuses a run.dir
     cfg = shape_config(shape, tiny, run_dir)
     start = time.perf_counter()
     error, iterations = "", 0
@@ -236,11 +243,12 @@ def start_ray(tiny: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny models, one virtual GPU: checks the script")
-    parser.add_argument("--out", default="fidelity-out", help="directory for the runs and fidelity.json")
+    parser.add_argument("--out", default="fidelity-out",
+                        help="results folder; each run of the script writes OUT/run-NNN/ (fidelity.json, the runs)")
     parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_run_dir(Path(args.out).resolve())
+    print(f"run directory: {out}", flush=True)
     # The issue's run first: if the device's time limit cuts the sweep short, it is not the one lost.
     shapes = [TINY_WHY if args.tiny else WHY, *(TINY_SHAPES if args.tiny else SHAPES)]
     if args.only:
@@ -253,6 +261,7 @@ def main() -> None:
         (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     print("\nerrors: median/max over calls of |estimate / measured - 1|; before = the searched plan's estimate, "
           "after = calibrated on iteration 1 (fit) and checked on iteration 2 (held out)")
+    print(f"results: {out / 'fidelity.json'}")
     print(summary_table(results))
 
 

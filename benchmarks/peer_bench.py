@@ -10,8 +10,15 @@ machinery (the Ray driver), TRL through GRPOTrainer with HF generation (benchmar
 The table gives seconds per step and completion tokens per second of the timed steps (a warm-up
 step each is left out: ours 1 + 3 iterations, TRL 1 + 2 steps), the ratio, and our calls' times.
 
-    python3 benchmarks/peer_bench.py              # GPU, about 6 minutes; writes out/peer/ (or --out)
+    python3 benchmarks/peer_bench.py              # GPU, about 6 minutes; writes out/peer/run-NNN/ (or --out)
     python3 benchmarks/peer_bench.py --tiny       # seconds on CPU: a tiny model, 4 prompts x 4, 16 + 16 tokens
+
+Every run writes into a fresh directory `<out>/run-NNN/` (benchmarks/run_dirs.py; `<out>/latest`
+links to the newest), so the same command can run again: peer_bench.txt (the table),
+peer_bench.json (every number), realray-grpo.yaml (our config), realray-run/ (our run.dir;
+realray-run-b/ when the compiled run failed and ran again uncompiled) and trl/ (TRL's
+output_dir). The inputs are shared by the runs: `<out>/inputs/` (`<out>/inputs-tiny/` with
+--tiny, or --inputs), rebuilt in place with the same seed, so every run reads the same files.
 
 TRL on the GPU host (offline; it has torch, transformers and accelerate): from the project root
 here, `bash ../shared/gpu/prepare-wheels.sh trl==1.16.0 datasets==5.2.0 dill multiprocess`
@@ -40,6 +47,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 from benchmarks.peer_setup import build_inputs
 from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
+from benchmarks.run_dirs import fresh_run_dir
 
 
 @dataclass(frozen=True)
@@ -154,9 +162,10 @@ def table(results: list[SideResult], work: Work, model: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="This project's GRPO against TRL's GRPOTrainer on identical work.")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model and batch: a check that runs in seconds")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default $OUT/peer or out/peer)")
-    parser.add_argument("--inputs", type=Path, default=None,
-                        help="where the model and prompts are built (default OUT/inputs; 2.5 GB on the GPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder; each run writes OUT/run-NNN/ (default $OUT/peer or out/peer)")
+    parser.add_argument("--inputs", type=Path, default=None, help="where the model and prompts are built "
+                        "(default OUT/inputs, OUT/inputs-tiny with --tiny; 2.5 GB on the GPU)")
     parser.add_argument("--iterations", type=int, default=None, help="our iterations incl. 1 warm-up (GPU 4, tiny 2)")
     parser.add_argument("--trl-steps", type=int, default=None, help="TRL steps incl. 1 warm-up (GPU 3, tiny 2)")
     parser.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per_device_train_batch_size (32)")
@@ -179,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tiny = args.tiny
     work = TINY_WORK if tiny else GPU_WORK
-    out = (args.out or Path(os.environ.get("OUT", "out")) / "peer").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    base = (args.out or Path(os.environ.get("OUT", "out")) / "peer").resolve()
+    out = fresh_run_dir(base)  # this run's results; earlier runs under `base` stay as they are
+    print(f"run directory: {out}", flush=True)
     if not tiny:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     start = time.perf_counter()
-    inputs = build_inputs((args.inputs or out / "inputs").resolve(), tiny, n_prompts=4 * work.prompts,
-                          prompt_len=work.prompt_len)
+    inputs = build_inputs((args.inputs or base / ("inputs-tiny" if tiny else "inputs")).resolve(), tiny,
+                          n_prompts=4 * work.prompts, prompt_len=work.prompt_len)
     print(f"inputs built in {time.perf_counter() - start:.1f} s: {inputs.model_dir}", flush=True)
     iterations = args.iterations or (2 if tiny else 4)
     results: list[SideResult] = []
@@ -217,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tokens_per_s": r.tokens_per_s} for r in results]}
     (out / "peer_bench.json").write_text(json.dumps(summary, indent=1, default=str))
     print(text)
+    print(f"results: {out / 'peer_bench.txt'}, {out / 'peer_bench.json'}")
     ours = next((r for r in results if r.name.startswith("realray")), None)
     return 1 if ours is not None and ours.error else 0
 

@@ -12,7 +12,12 @@ share of reallocation in the iteration, the bytes it moved, and the peak memory 
     python benchmarks/plan_vs_symmetric.py --tiny                                   # CPU, seconds
 
 Cases are named `<gpus>gpu-<algorithm>-<models>`; those needing more GPUs than this host has are
-skipped with a note (`--cases all` lists them). Every run directory is kept under --out.
+skipped with a note (`--cases all` lists them).
+
+Every run of this script writes into a fresh directory `<out>/plan_vs_symmetric/run-NNN/`
+(benchmarks/run_dirs.py; `latest` beside it links to the newest), so the same command can run
+again: results.json (the table's figures) and one training run.dir per variant,
+`<case>-k<staleness>-<plan mode>/` (plan.json, metrics.jsonl, ...), all kept.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+
+from benchmarks.run_dirs import fresh_run_dir  # noqa: E402
+
 H200 = ("cluster.gpu=h200-141g", "plan.profile=examples/profiles/h200x2.json")
 
 
@@ -146,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staleness", default="0", help="comma-separated run.max_staleness values, e.g. 0,1")
     parser.add_argument("--seconds", type=float, default=None, help="plan.seconds for the search")
     parser.add_argument("--limit", type=float, default=900.0, help="seconds one training run may take")
-    parser.add_argument("--out", default=None, help="folder for the run directories (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="results folder; each run of the script writes "
+                        "OUT/plan_vs_symmetric/run-NNN/ (default $OUT, else out)")
     parser.add_argument("--tiny", action="store_true", help="the CPU mode: the tiny case, 2 iterations")
     args = parser.parse_args(argv)
     if args.iterations < 1:
@@ -161,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in CASES]
         if unknown:
             parser.error(f"--cases {','.join(unknown)}: unknown; allowed: {', '.join(CASES)}")
-    out = Path(args.out or os.environ.get("OUT") or "out") / "plan_vs_symmetric"
+    out = fresh_run_dir((Path(args.out or os.environ.get("OUT") or "out") / "plan_vs_symmetric").resolve())
+    print(f"run directory: {out}", flush=True)
     results: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for name in names:
         case = CASES[name]
@@ -175,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {name} staleness {k} plan {mode} -> {run_dir}", flush=True)
                 results[(name, k)][mode] = run_variant(case, mode, k, args.iterations, run_dir, args.seconds,
                                                        args.limit)
-    (out / "results.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({f"{n}/k{k}": {m: summarise(r) | {"rc": r["rc"]}
                                                                 for m, r in v.items()}
                                                   for (n, k), v in results.items()}, indent=1, default=str))
+    print(f"results: {out / 'results.json'}")
     print(table(results))
     return 0 if all(r["rc"] == 0 for v in results.values() for r in v.values()) else 1
 

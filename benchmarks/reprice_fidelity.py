@@ -2,8 +2,10 @@
 
     python benchmarks/reprice_fidelity.py RESULTS_DIR [--freed-gib 13.81 --freed-train-gib 9.21]
 
-RESULTS_DIR is the `fidelity/` folder `benchmarks/fidelity_bench.py` wrote on the GPU host
-(fidelity.json and one directory per run with its config.yaml and plan.json). Every call is
+RESULTS_DIR is the folder one run of `benchmarks/fidelity_bench.py` wrote on the GPU host
+(fidelity.json and one directory per shape with its config.yaml and plan.json): `<out>/run-NNN`,
+or the script's --out itself (e.g. `fidelity/` of run_gpu.sh's results.tgz), which stands for
+its newest run. Nothing is written: the runs are only read. Every call is
 priced at exactly the placement and execution its run used (`call_estimates`), and its peak is
 set against the peak measured in the run (iteration 1, before calibration). Prints one line per
 call and a table per run: median / max of |estimate - measured| / measured, before (the estimate
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.config import build_problem, load_config  # noqa: E402
 from app.reporting.timeline import call_estimates  # noqa: E402
+from benchmarks.run_dirs import latest_run_dir  # noqa: E402
 from planning.dataflow import Graph  # noqa: E402
 from planning.layout import Layout, Mesh  # noqa: E402
 from planning.plan import CallExecution, ExecutionPlan, Placement  # noqa: E402
@@ -49,6 +52,16 @@ def run_plan(plan_json: dict[str, Any], graph: Graph) -> tuple[ExecutionPlan, di
         executions[name] = (CallExecution(gen_rounds=call["gen_rounds"]) if call["kind"] == "generate"
                             else CallExecution(micro_batch_tokens=call["micro_batch_tokens"]))
     return ExecutionPlan.from_dict(placements, executions), kinds
+
+
+def results_dir(path: Path) -> Path:
+    """The run folder holding fidelity.json: `path` itself, else its newest run-NNN."""
+    if (path / "fidelity.json").is_file():
+        return path
+    latest = latest_run_dir(path)
+    if latest is None or not (latest / "fidelity.json").is_file():
+        raise SystemExit(f"{path}: no fidelity.json here nor in a run-NNN folder of benchmarks/fidelity_bench.py")
+    return latest
 
 
 def reprice(results: Path, freed_gib: float, freed_train_gib: float) -> list[tuple[str, list[float], list[float]]]:
@@ -80,11 +93,13 @@ def reprice(results: Path, freed_gib: float, freed_train_gib: float) -> list[tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="the fidelity/ folder of a GPU sweep")
+    parser.add_argument("results", type=Path, help="a run-NNN folder of a GPU sweep, or its --out (the newest run)")
     parser.add_argument("--freed-gib", type=float, default=0.0)
     parser.add_argument("--freed-train-gib", type=float, default=0.0)
     args = parser.parse_args()
-    rows = reprice(args.results, args.freed_gib, args.freed_train_gib)
+    results = results_dir(args.results)
+    print(f"re-pricing {results}")
+    rows = reprice(results, args.freed_gib, args.freed_train_gib)
     print("\n| run | memory error, logged estimate (median / max) | re-priced (median / max) |")
     print("|---|---|---|")
     for name, logged, now in rows:

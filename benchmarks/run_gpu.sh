@@ -3,7 +3,11 @@
 # `bash ../shared/gpu/prepare-wheels.sh` filled .whl/ here:
 #   run(command="bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2")
 # Each benchmark prints a table last; outputs (<name>.txt, profile.json, ppo-run/) are packed into
-# $OUT/results.tgz (./out without $OUT).
+# $OUT/results.tgz (./out without $OUT). Every call starts from a fresh scratch folder, so running
+# it twice never meets the first call's run directories; results.tgz is replaced by the newer one.
+# Scripts with an --out write their files into <out>/run-NNN/ (benchmarks/run_dirs.py), here
+# always run-001 with `latest` linking to it: peer/run-001/peer_bench.txt,
+# fidelity/run-001/fidelity.json, plan_vs_symmetric/run-001/results.json.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
@@ -45,5 +49,5 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 #   run(command="ONLY=fidelity bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200")
 [[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
   run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}
-tar czf "$final/results.tgz" -C "$out" .
+tar czf "$final/results.tgz" -C "$out" . && rm -rf "$out"
 exit 0

@@ -13,7 +13,12 @@ Memory: a call's estimated peak is resident bytes + `memory_scale` x its transie
 (activations, logits, KV cache), linear in the scale at a fixed execution; the scale is fitted
 by least squares on the relative errors of the measured peaks.
 
-Both results go back into the problem (`calibrated_problem`) for the re-plan of
+Multi-turn generation: a generate call's measurement may carry the mean seconds of one
+environment step and the mean turns per trajectory. They are not fitted but taken as measured
+(`with_measured_rollout`: turns within [1, max_turns]) into the call's `MultiTurn` before the
+factors are fitted, so the environment's wait is not mistaken for slow decoding.
+
+All results go back into the problem (`calibrated_problem`) for the re-plan of
 `app.run.replan`. Pure Python, like the rest of planning.
 """
 
@@ -22,10 +27,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from planning.cost import PlanningProblem, call_cost_levels
 from planning.cost_terms import MAX_EFFICIENCY, OpEfficiency
+from planning.dataflow import MultiTurn
 from planning.plan import ExecutionPlan
 from planning.simulate import complete_plan, simulate
 
@@ -37,14 +43,22 @@ GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 @dataclass(frozen=True)
 class CallMeasurement:
     """What a run measured of one call: seconds (typically the median over iterations) and
-    the peak bytes on its fullest rank (None where the device cannot tell, e.g. on CPU)."""
+    the peak bytes on its fullest rank (None where the device cannot tell, e.g. on CPU). A
+    multi-turn generate call also: env_step_s, the mean seconds of one environment step, and
+    turns, the mean turns per trajectory (None when not measured)."""
 
     seconds: float
     peak_bytes: float | None = None
+    env_step_s: float | None = None
+    turns: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"CallMeasurement.seconds={self.seconds}: must be a positive number")
+        if self.env_step_s is not None and not (math.isfinite(self.env_step_s) and self.env_step_s >= 0):
+            raise ValueError(f"CallMeasurement.env_step_s={self.env_step_s}: must be a number >= 0")
+        if self.turns is not None and not (math.isfinite(self.turns) and self.turns > 0):
+            raise ValueError(f"CallMeasurement.turns={self.turns}: must be a positive number")
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class Calibration:
     measured_peak_bytes: dict[str, float]
     estimated_before_bytes: dict[str, float]
     estimated_after_bytes: dict[str, float]
+    multi_turn: dict[str, MultiTurn] = field(default_factory=dict)  # generate calls' measured rollout
 
     def time_errors(self, after: bool = True) -> tuple[float, float]:
         """(median, max) of |estimate / measured - 1| over the measured calls."""
@@ -68,8 +83,10 @@ class Calibration:
 
 
 def calibrate(problem: PlanningProblem, plan: ExecutionPlan, measured: dict[str, CallMeasurement],
-              sweeps: int = 4, pull: float = 0.05) -> Calibration:
-    """Fit `problem`'s efficiency factors and memory scale to `measured` calls of `plan`.
+              sweeps: int = 4, pull: float = 0.05, max_turns: float | None = None) -> Calibration:
+    """Fit `problem`'s efficiency factors and memory scale to `measured` calls of `plan`, after
+    taking the measured environment steps and turns in (`with_measured_rollout`, turns at most
+    `max_turns`).
 
     pull: weight of (log e - log e_start)^2 per factor against the squared log-time errors.
     Raises ValueError for calls not in the plan or a plan that does not fit the problem.
@@ -78,6 +95,8 @@ def calibrate(problem: PlanningProblem, plan: ExecutionPlan, measured: dict[str,
     if unknown:
         raise ValueError(f"calibrate: measured calls {unknown} are not in the {problem.graph.algorithm} graph")
     plan = complete_plan(problem, plan)
+    before = problem
+    problem = with_measured_rollout(problem, measured, max_turns)
     seconds = {name: m.seconds for name, m in measured.items()}
     values_start = {f.name: float(getattr(problem.efficiency, f.name)) for f in fields(OpEfficiency)}
     values = dict(values_start)
@@ -98,15 +117,44 @@ def calibrate(problem: PlanningProblem, plan: ExecutionPlan, measured: dict[str,
     after = replace(problem, efficiency=efficiency, memory_scale=scale)
     return Calibration(
         efficiency=efficiency, memory_scale=scale, measured_s=seconds,
-        estimated_before_s=_call_seconds(problem, plan, seconds), estimated_after_s=_call_seconds(after, plan, seconds),
-        measured_peak_bytes=peaks, estimated_before_bytes=_call_bytes(problem, plan, peaks),
+        estimated_before_s=_call_seconds(before, plan, seconds), estimated_after_s=_call_seconds(after, plan, seconds),
+        measured_peak_bytes=peaks, estimated_before_bytes=_call_bytes(before, plan, peaks),
         estimated_after_bytes=_call_bytes(after, plan, peaks),
+        multi_turn={m.name: m.multi_turn for m in problem.graph.mfcs
+                    if m.multi_turn is not None and m.multi_turn != before.graph.mfc(m.name).multi_turn},
     )
 
 
 def calibrated_problem(problem: PlanningProblem, calibration: Calibration) -> PlanningProblem:
-    """`problem` with the calibration's efficiency factors and memory scale."""
-    return replace(problem, efficiency=calibration.efficiency, memory_scale=calibration.memory_scale)
+    """`problem` with the calibration's efficiency factors, memory scale and measured rollout."""
+    graph = problem.graph
+    if calibration.multi_turn:
+        graph = replace(graph, mfcs=tuple(replace(m, multi_turn=calibration.multi_turn.get(m.name, m.multi_turn))
+                                          for m in graph.mfcs))
+    return replace(problem, graph=graph, efficiency=calibration.efficiency, memory_scale=calibration.memory_scale)
+
+
+def with_measured_rollout(problem: PlanningProblem, measured: dict[str, CallMeasurement],
+                          max_turns: float | None = None) -> PlanningProblem:
+    """`problem` whose multi-turn generate calls take the measured environment step time and mean
+    turns (clamped to [1, max_turns]; no upper bound when None) in place of the configured ones;
+    the response budget stays. Calls without a measured figure, or single-turn, stay as they are."""
+    calls = []
+    for m in problem.graph.mfcs:
+        got = measured.get(m.name)
+        if m.multi_turn is None or got is None or (got.env_step_s is None and got.turns is None):
+            calls.append(m)
+            continue
+        turns = m.multi_turn.turns if got.turns is None else max(1.0, got.turns)
+        if max_turns is not None:
+            turns = min(turns, max(1.0, max_turns))
+        env_step_s = m.multi_turn.env_step_s if got.env_step_s is None else got.env_step_s
+        budget = m.multi_turn.budget(m.batch.gen_len)  # the cache the engine allocates does not shrink
+        calls.append(replace(m, multi_turn=replace(m.multi_turn, turns=turns, env_step_s=env_step_s,
+                                                   response_tokens=budget)))
+    if tuple(calls) == problem.graph.mfcs:
+        return problem
+    return replace(problem, graph=replace(problem.graph, mfcs=tuple(calls)))
 
 
 def _call_seconds(problem: PlanningProblem, plan: ExecutionPlan, names: dict[str, float]) -> dict[str, float]:
@@ -162,4 +210,5 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: i
     return (a + b) / 2.0
 
 
-__all__ = ["MEMORY_SCALE_RANGE", "MIN_FACTOR", "Calibration", "CallMeasurement", "calibrate", "calibrated_problem"]
+__all__ = ["MEMORY_SCALE_RANGE", "MIN_FACTOR", "Calibration", "CallMeasurement", "calibrate", "calibrated_problem",
+           "with_measured_rollout"]

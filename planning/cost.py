@@ -29,8 +29,11 @@ records the chosen one and the workers run it; `execution=` prices exactly a giv
 `mem_limit_bytes`); `memory_scale` multiplies the transient bytes (activations, logits, KV
 cache) as a run's own measurements calibrate them (`planning.calibrate`).
 
-`OpEfficiency` scales the hardware peaks per op kind; a measured `HardwareSpec.with_profile`
-replaces the peaks themselves. The per-op arithmetic lives in `planning.cost_terms`.
+Multi-turn generation (`MFC.multi_turn`) adds observation prefills and environment waits and
+decodes every turn over a growing context (`planning.cost_multiturn`, which says how); it runs at
+pp = 1 only. `OpEfficiency` scales the hardware peaks per op kind; a measured
+`HardwareSpec.with_profile` replaces the peaks themselves. The per-op arithmetic lives in
+`planning.cost_terms`.
 """
 
 from __future__ import annotations
@@ -41,17 +44,16 @@ from dataclasses import dataclass, field, replace
 from planning.cost_terms import (
     SAMPLING_BYTES_PER_LOGIT,
     CallGeometry,
+    Links,
     OpEfficiency,
     activation_bytes,
     allreduce_s,
     call_geometry,
-    dp_bandwidth,
     inference_bytes_per_token_layer,
-    p2p_bandwidth,
     reduce_scatter_s,
 )
+from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.dataflow import MFC, ROLES, Graph
-from planning.hardware import HardwareSpec
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
 from planning.plan import CallExecution, Placement, check_execution_kind
@@ -169,6 +171,8 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
     geo = call_geometry(role.spec, role.critic, layout)
     if isinstance(geo, str):
         return [_infeasible(geo)]
+    if mfc.multi_turn is not None and layout.pp > 1:
+        return [_infeasible(MULTI_TURN_PP_REASON)]
     steps = mfc.n_minibatches if mfc.kind == "train" else 1
     if mfc.batch.n_seqs < layout.dp * steps:
         return [_infeasible(
@@ -176,7 +180,7 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
             "a replica would get none"
         )]
     seqs = math.ceil(mfc.batch.n_seqs / (layout.dp * steps))  # per replica (per minibatch)
-    links = _Links(problem.cluster.hardware, problem.efficiency, placement)
+    links = Links(problem.cluster.hardware, problem.efficiency, placement)
     if execution is None:
         # Each level as the execution the plan will record (a token budget rounds the count).
         executions = list(dict.fromkeys(_execution_of(mfc, seqs, split) for split in _splits(mfc, layout, seqs)))
@@ -254,28 +258,12 @@ def weight_bytes_per_gpu(role: ModelRole, layout: Layout) -> float:
 # ---- internals -----------------------------------------------------------------------------------
 
 
-class _Links:
-    """Effective rates for one placement: FLOP/s, HBM bytes/s and the bandwidth of each group."""
-
-    def __init__(self, hw: HardwareSpec, eff: OpEfficiency, placement: Placement) -> None:
-        layout, mesh = placement.layout, placement.mesh
-        m = mesh.gpus_per_node
-        self.hw = hw
-        self.flops = hw.peak_flops * eff.gemm
-        self.hbm = hw.hbm_bw * eff.decode
-        self.opt_hbm = hw.hbm_bw * eff.optimizer
-        self.tp_bw = hw.intra_node_bw * eff.comm * eff.tp_comm
-        self.dp_bw = dp_bandwidth(hw, layout, m) * eff.comm
-        self.pp_bw = p2p_bandwidth(hw, mesh.size, m) * eff.comm
-        self.lat = hw.collective_latency_s
-
-
 def _infeasible(reason: str) -> CallCost:
     return CallCost(math.inf, math.inf, False, {}, reason)
 
 
 def _pass_time(
-    geo: CallGeometry, layout: Layout, links: _Links, tokens: int, n_micro: int, ctx: float, passes: int,
+    geo: CallGeometry, layout: Layout, links: Links, tokens: int, n_micro: int, ctx: float, passes: int,
 ) -> dict[str, float]:
     """Seconds of `passes` sweeps (1 = forward, 3 = forward + backward) over `tokens` tokens of
     one replica split into `n_micro` micro-batches, on the slowest pipeline stage."""
@@ -303,7 +291,7 @@ def _pass_time(
 
 
 def _forward_backward(
-    mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, n_micro: int,
+    mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, n_micro: int,
 ) -> dict[str, float]:
     """Inference (one forward) or training (forward + backward + optimizer per minibatch) of
     `seqs` sequences per replica in `n_micro` micro-batches."""
@@ -335,7 +323,7 @@ def _forward_backward(
     return parts
 
 
-def _sampling_s(vocab: int, rows: float, tp: int, links: _Links) -> float:
+def _sampling_s(vocab: int, rows: float, tp: int, links: Links) -> float:
     """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
     under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
     and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
@@ -347,10 +335,12 @@ def _sampling_s(vocab: int, rows: float, tp: int, links: _Links) -> float:
     return comm + SAMPLING_PASSES * 2 * rows * vocab * 4 / links.hbm + links.hw.kernel_overhead_s
 
 
-def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: int, rounds: int) -> dict[str, float]:
+def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, rounds: int) -> dict[str, float]:
     """`rounds` rounds, each a prefill of its prompts then gen_len decode steps, memory- or
-    compute-bound per step; only one round's KV cache is alive at a time."""
+    compute-bound per step; only one round's KV cache is alive at a time. Multi-turn: every
+    turn's decode steps, observation prefills and environment waits (planning.cost_multiturn)."""
     batch = mfc.batch
+    traj = trajectory(batch, mfc.multi_turn)
     spec = geo.spec
     per_round = math.ceil(seqs / rounds)
     prompt_tokens = per_round * max(batch.prompt_len, 1)
@@ -364,12 +354,12 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: 
     weights = 2.0 * geo.stage_params
     n_mb = min(per_round, layout.pp)
     mb = per_round / n_mb
-    ctx = batch.prompt_len + batch.gen_len / 2
+    ctx = traj.ctx
     kv_read = mb * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
     per_mb_stage = max((weights + kv_read) / links.hbm, mb * geo.stage_flops_per_token(ctx) / links.flops)
     tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
-    steps = batch.gen_len
+    steps = traj.decode_steps
     parts["decode_s"] = steps * slots * per_mb_stage
     # The last stage samples every micro-batch every step; it is then the busiest stage.
     parts["sampling_s"] = steps * slots * _sampling_s(spec.vocab_size, mb, layout.tp, links)
@@ -379,12 +369,15 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: _Links, seqs: 
         send = links.lat + mb * spec.hidden_size * 2 / links.pp_bw
         parts["pp_p2p_s"] = parts.get("pp_p2p_s", 0.0) + steps * slots * send
         parts["pp_bubble_s"] = parts.get("pp_bubble_s", 0.0) + (layout.pp - 1) * per_mb_stage  # pipeline fill
+    if mfc.multi_turn is not None:
+        parts.update(observation_parts(geo, layout, links, per_round, traj))
     parts = {k: rounds * v for k, v in parts.items()}
     parts["weights_bytes"] = weights
-    parts["kv_cache_bytes"] = per_round * batch.seq_len * geo.kv_bytes_per_token_layer * geo.stage_layers
+    parts["kv_cache_bytes"] = per_round * traj.kv_slots * geo.kv_bytes_per_token_layer * geo.stage_layers
     # Prefill keeps the logits of each prompt's last token only, so its peak is a block's working
     # set; sampling's [rows, vocab] buffers (gathered on tp rank 0) are the other candidate.
     prefill_bytes = prompt_tokens / n_prefill * inference_bytes_per_token_layer(spec, layout.tp)
-    parts["activation_bytes"] = max(prefill_bytes, per_round * spec.vocab_size * SAMPLING_BYTES_PER_LOGIT)
+    parts["activation_bytes"] = max(prefill_bytes, per_round * spec.vocab_size * SAMPLING_BYTES_PER_LOGIT,
+                                    observation_bytes(geo, layout, per_round, traj))
     parts["generation_rounds"] = float(rounds)  # informational
     return parts

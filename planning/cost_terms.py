@@ -4,7 +4,8 @@ built from.
 `call_geometry` turns (model, critic?, tp, pp) into what one GPU of the fullest pipeline stage
 holds and computes: parameters, decoder blocks, FLOPs per token and KV-cache bytes. It is cached
 because the stage partition is a dynamic programme over layers and the search asks for the same
-(model, layout) thousands of times. `activation_bytes` and the per-token counts it uses give the
+(model, layout) thousands of times. `Links` holds a placement's effective rates (peaks times
+the efficiency factors). `activation_bytes` and the per-token counts it uses give the
 transient memory of a call as the engine allocates it (tests/planning/test_cost_memory.py).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.models import ModelSpec, kv_replicated, pipeline_partition, validate_tp
+from planning.plan import Placement
 
 # Ceiling of an efficiency factor. Profiles measure fractions of their own peaks (<= 1); a run's
 # self-calibration (`planning.calibrate`) may find a machine faster than its preset says (> 1).
@@ -201,6 +203,22 @@ def activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_fli
     # norm stay alive beside them.
     head = mb_tokens * (head_cols * 2 + 2 * geo.spec.hidden_size * 2)
     return max(block, head)
+
+
+class Links:
+    """Effective rates for one placement: FLOP/s, HBM bytes/s and the bandwidth of each group."""
+
+    def __init__(self, hw: HardwareSpec, eff: OpEfficiency, placement: Placement) -> None:
+        layout, mesh = placement.layout, placement.mesh
+        m = mesh.gpus_per_node
+        self.hw = hw
+        self.flops = hw.peak_flops * eff.gemm
+        self.hbm = hw.hbm_bw * eff.decode
+        self.opt_hbm = hw.hbm_bw * eff.optimizer
+        self.tp_bw = hw.intra_node_bw * eff.comm * eff.tp_comm
+        self.dp_bw = dp_bandwidth(hw, layout, m) * eff.comm
+        self.pp_bw = p2p_bandwidth(hw, mesh.size, m) * eff.comm
+        self.lat = hw.collective_latency_s
 
 
 def allreduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:

@@ -16,10 +16,16 @@ the actor weights after training iteration j - k - 1 (k = 0: on-policy, the prev
 Its version lag is then k + 1 iterations while every other call's is 1, and `dispatch_order`
 submits the generation of iteration j + k + 1 right after the training calls of iteration j, so
 generation on one mesh can run while training runs on another.
+
+Multi-turn generation (`MultiTurn`, on the generate calls of a graph built with `multi_turn`):
+a trajectory samples up to batch.gen_len tokens per turn, waits for its environment, has the
+observation prefilled into its KV cache, for up to `turns` turns; every other call then reads
+sequences of prompt_len + the response budget (sampled and observed tokens) tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -57,6 +63,41 @@ class BatchShape:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiTurn:
+    """Multi-turn generation: what each trajectory of a generate call does after its prompt.
+
+    turns: turns per trajectory the cost model charges (rollout.max_turns, the worst case, until
+        a run measures its mean; >= 1, fractional for a measured mean). Each turn decodes up to
+        the call's batch.gen_len tokens.
+    obs_tokens: observation tokens prefilled per turn (rollout.max_observation_tokens; >= 0).
+    env_step_s: seconds one environment step takes (rollout.env_step_s, later the measured mean).
+    response_tokens: the trajectory's budget after its prompt, sampled and observed tokens
+        together (rollout.max_response_tokens); None: turns * (gen_len + obs_tokens), rounded up.
+    """
+
+    turns: float
+    obs_tokens: int
+    env_step_s: float
+    response_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.turns) and self.turns >= 1):
+            raise ValueError(f"MultiTurn.turns={self.turns}: must be a finite number >= 1")
+        if isinstance(self.obs_tokens, bool) or not isinstance(self.obs_tokens, int) or self.obs_tokens < 0:
+            raise ValueError(f"MultiTurn.obs_tokens={self.obs_tokens!r}: must be an int >= 0")
+        if not (math.isfinite(self.env_step_s) and self.env_step_s >= 0):
+            raise ValueError(f"MultiTurn.env_step_s={self.env_step_s}: must be a finite number >= 0")
+        if self.response_tokens is not None and self.response_tokens < 1:
+            raise ValueError(f"MultiTurn.response_tokens={self.response_tokens}: must be >= 1 (or None)")
+
+    def budget(self, gen_len: int) -> int:
+        """Tokens a trajectory may hold after its prompt, for `gen_len` sampled tokens per turn."""
+        if self.response_tokens is not None:
+            return self.response_tokens
+        return math.ceil(self.turns * (gen_len + self.obs_tokens))
+
+
+@dataclass(frozen=True, slots=True)
 class MFC:
     """One model function call.
 
@@ -69,6 +110,8 @@ class MFC:
     expected_runs: how many times the call runs per iteration on average (DAPO's dynamic
     sampling generates more rounds until enough groups with distinct rewards remain).
     with_entropy: a train call whose loss has an entropy bonus (more memory per logit).
+    multi_turn: a generate call whose trajectories take several turns with an environment
+        (`MultiTurn`; batch.gen_len is then one turn's decode length); None: single-turn.
     """
 
     name: str
@@ -81,6 +124,7 @@ class MFC:
     recompute_forward: bool = False
     expected_runs: float = 1.0
     with_entropy: bool = False
+    multi_turn: MultiTurn | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -91,6 +135,8 @@ class MFC:
             raise ValueError(f"MFC {self.name}: n_minibatches={self.n_minibatches} must be >= 1")
         if not self.expected_runs >= 1.0:
             raise ValueError(f"MFC {self.name}: expected_runs={self.expected_runs} must be >= 1")
+        if self.multi_turn is not None and self.kind != "generate":
+            raise ValueError(f"MFC {self.name}: multi_turn is for generate calls, not {self.kind}")
 
 
 @dataclass(frozen=True)
@@ -197,18 +243,29 @@ class Graph:
         return order
 
 
+def _shapes(batch: BatchShape, multi_turn: MultiTurn | None) -> tuple[BatchShape, BatchShape]:
+    """(the generate calls' shape, every other call's): the same single-turn; with `multi_turn`
+    generation keeps one turn's gen_len and the others read prompt_len + the response budget."""
+    if multi_turn is None:
+        return batch, batch
+    return batch, replace(batch, gen_len=multi_turn.budget(batch.gen_len))
+
+
 def ppo_graph(batch: BatchShape, ppo_minibatches: int = 4, ppo_epochs: int = 1,
-              recompute_logprobs: bool = True) -> Graph:
+              recompute_logprobs: bool = True, multi_turn: MultiTurn | None = None) -> Graph:
     """PPO: actor generation; reward, ref and critic inference; the actor's logprobs of the
     rollout under its current weights (actor_inf -> old_logprobs: the behaviour policy of the PPO
     ratio and of the KL penalty in the reward, which both train calls need); actor and critic
-    training. recompute_logprobs=False drops actor_inf and uses the generation's logprobs."""
+    training. recompute_logprobs=False drops actor_inf and uses the generation's logprobs.
+    multi_turn: multi-turn generation (module docstring)."""
+    gen, batch = _shapes(batch, multi_turn)
     n_mb = ppo_minibatches * ppo_epochs
     seq = ("seq", "prompt_mask")
     old = ("old_logprobs",) if recompute_logprobs else ()
     train_inputs = seq + ("logprobs", "ref_logprobs", "rewards", "values", "no_eos_mask") + old
     calls = [
-        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), batch),
+        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), gen,
+            multi_turn=multi_turn),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), batch),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),
         MFC("critic_inf", "critic", "inference", seq, ("values",), batch),
@@ -226,20 +283,21 @@ OUTCOME_ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "
 
 
 def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_minibatches: int = 1,
-                  gen_runs: float = 1.0) -> Graph:
+                  gen_runs: float = 1.0, multi_turn: MultiTurn | None = None) -> Graph:
     """A critic-free outcome-reward algorithm (GRPO, RLOO, REINFORCE++, REINFORCE++-baseline,
     DAPO, GSPO): `group_size` samples per prompt, a reward per sequence, the reference's logprobs
     for a KL term (pruned when the config has none), actor training. gen_runs: expected generation
-    rounds per iteration (DAPO's dynamic sampling), charged to generation and reward."""
+    rounds per iteration (DAPO's dynamic sampling), charged to generation and reward. multi_turn:
+    multi-turn generation (module docstring)."""
     if algorithm not in OUTCOME_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: outcome graphs are {', '.join(OUTCOME_ALGORITHMS)}")
     if group_size < 1:
         raise ValueError(f"group_size={group_size}: must be >= 1")
-    grouped = BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len)
+    gen, grouped = _shapes(BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len), multi_turn)
     seq = ("seq", "prompt_mask")
     return Graph(algorithm, (
-        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), grouped,
-            expected_runs=gen_runs),
+        MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), gen,
+            expected_runs=gen_runs, multi_turn=multi_turn),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped, expected_runs=gen_runs),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards", "ref_logprobs"), ("actor_stats",),
@@ -247,9 +305,10 @@ def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_miniba
     ))
 
 
-def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1) -> Graph:
+def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1,
+               multi_turn: MultiTurn | None = None) -> Graph:
     """GRPO: `group_size` samples per prompt, group-normalised rewards, no critic."""
-    return outcome_graph("grpo", batch, group_size, ppo_minibatches)
+    return outcome_graph("grpo", batch, group_size, ppo_minibatches, multi_turn=multi_turn)
 
 
 def dpo_graph(batch: BatchShape) -> Graph:
@@ -264,13 +323,15 @@ def dpo_graph(batch: BatchShape) -> Graph:
     ), dataset_keys=("pairs",))
 
 
-def remax_graph(batch: BatchShape) -> Graph:
+def remax_graph(batch: BatchShape, multi_turn: MultiTurn | None = None) -> Graph:
     """ReMax: sampled and greedy generation, a reward for each, the reference's logprobs for the
-    KL penalty in the reward (pruned when ppo.kl_coef is 0), REINFORCE with the greedy baseline."""
+    KL penalty in the reward (pruned when ppo.kl_coef is 0), REINFORCE with the greedy baseline.
+    multi_turn: both generations are multi-turn (module docstring)."""
+    gen, batch = _shapes(batch, multi_turn)
     seq = ("seq", "prompt_mask")
     return Graph("remax", (
-        MFC("sample_gen", "actor", "generate", ("prompts",), seq + ("logprobs",), batch),
-        MFC("greedy_gen", "actor", "generate", ("prompts",), ("greedy_seq",), batch),
+        MFC("sample_gen", "actor", "generate", ("prompts",), seq + ("logprobs",), gen, multi_turn=multi_turn),
+        MFC("greedy_gen", "actor", "generate", ("prompts",), ("greedy_seq",), gen, multi_turn=multi_turn),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), batch),
         MFC("greedy_rew_inf", "reward", "inference", ("greedy_seq",), ("greedy_rewards",), batch),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), batch),

@@ -6,7 +6,8 @@
   imports only torch (not torch.distributed); `actors` never imports ray, cluster or app;
 - code outside a subpackage imports only the subpackage (`from actors.realloc import ...`), never
   one of its modules;
-- no import cycle between modules (imports at module level; imports inside functions are lazy);
+- no import cycle between modules: imports anywhere in a file count (inside functions and
+  `if TYPE_CHECKING:` too), a package `__init__` importing its own submodules does not by itself;
 - every test folder mirrors a real package.
 """
 
@@ -44,14 +45,10 @@ def source_files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def imports_of(path: Path, top_level_only: bool = False) -> list[str]:
+def imports_of(path: Path) -> list[str]:
     """Dotted modules `path` imports (`from a.b import c` gives a.b and, if it is a module, a.b.c)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # `if TYPE_CHECKING:` blocks are not imports at run time
-        nodes = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
     found: list[str] = []
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -126,28 +123,119 @@ def test_other_packages_import_only_the_subpackage() -> None:
     assert not bad, "\n".join(bad)
 
 
+def ancestors(module: str) -> list[str]:
+    """actors.worker.train -> [actors, actors.worker]."""
+    parts = module.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def import_edges(me: str, is_package: bool, source: str, modules: set[str]) -> dict[str, int]:
+    """Which of `modules` the module `me` (source text `source`) imports, each with the line of
+    its first import statement.
+
+    Every `import` / `from ... import` anywhere in the file counts (function bodies and
+    `if TYPE_CHECKING:` blocks too: a cycle behind a lazy import is still a cycle). Relative
+    imports are resolved. `import a.b.c` and `from a.b.c import x` import a.b.c; `from a.b import c`
+    imports a.b (its namespace is read) and a.b.c when c is a submodule. Importing a.b.c also runs
+    the `__init__` of a and a.b: those count too, except the packages `me` itself sits in, which
+    Python has always started importing before `me` runs. So a package `__init__` that re-exports
+    its submodules makes no cycle, unless a submodule names its own package in an import.
+    """
+    package = me if is_package else me.rpartition(".")[0]
+    mine = set(ancestors(me))
+    found: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        for name in [*ancestors(target), target]:
+            if name in modules and name != me and (name == target or name not in mine):
+                found.setdefault(name, line)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # `from . import x`, `from ..a import b`
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
+            add(base, node.lineno)
+            for alias in node.names:
+                add(f"{base}.{alias.name}", node.lineno)  # counts only where it names a module
+    return found
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of `edges` (node -> successors), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component: list[str] = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            components.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def import_cycles() -> dict[tuple[str, ...], str]:
+    """Every import cycle between our modules (a strongly connected component of more than one
+    module) -> the imports inside it, each with its file and line."""
+    paths = {module_name(p): p for p in source_files()}
+    found = {m: import_edges(m, p.name == "__init__.py", p.read_text(), set(paths)) for m, p in paths.items()}
+    cycles = {}
+    for component in strongly_connected({m: set(targets) for m, targets in found.items()}):
+        if len(component) > 1:
+            cycles[tuple(component)] = "; ".join(
+                f"{m} -> {t} ({paths[m].relative_to(ROOT)}:{found[m][t]})"
+                for m in component for t in sorted(found[m]) if t in component)
+    return cycles
+
+
+@pytest.mark.unit
+def test_import_edges_resolve_packages_submodules_and_relative_imports() -> None:
+    modules = {"app", "app.cli", "app.cli.commands", "app.cli.plan", "app.config", "app.config.checks"}
+    source = ("from app.cli import plan\n"
+              "import app.cli.plan as plan2\n"
+              "from . import plan as plan3\n"
+              "def f():\n"
+              "    from app.config.checks import x\n")
+    # `from app.cli import plan` names app.cli, the package commands sits in (its __init__
+    # imports commands: a cycle); app.config's __init__ runs for app.config.checks; `app` is an
+    # ancestor of commands, imported before it.
+    assert import_edges("app.cli.commands", False, source, modules) == {
+        "app.cli": 1, "app.cli.plan": 1, "app.config": 5, "app.config.checks": 5}
+    assert import_edges("app.cli.commands", False, "import app.cli.plan as plan\n", modules) == {"app.cli.plan": 1}
+    # A package __init__ that imports its submodules; `from . import x` in an __init__ is its own package.
+    assert import_edges("app.cli", True, "from . import commands\nfrom app.cli.plan import y\n", modules) == {
+        "app.cli.commands": 1, "app.cli.plan": 2}
+    assert import_edges("app.cli.plan", False, "from ..config import checks\n", modules) == {
+        "app.config": 1, "app.config.checks": 1}
+    assert strongly_connected({"a": {"b"}, "b": {"a", "c"}, "c": set()}) == [["c"], ["a", "b"]]
+
+
 @pytest.mark.unit
 def test_no_import_cycles() -> None:
-    modules = {module_name(p): p for p in source_files()}
-    edges = {m: {i for i in imports_of(p, top_level_only=True) if i in modules and i != m} for m, p in modules.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        stack.append(m)
-        for n in sorted(edges[m]):
-            if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
-            if n not in state and (cycle := visit(n)):
-                return cycle
-        stack.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(modules):
-        if m not in state and (cycle := visit(m)):
-            pytest.fail("import cycle: " + " -> ".join(cycle))
+    cycles = import_cycles()
+    assert not cycles, "\n".join(f"import cycle between {', '.join(c)}: {imports}" for c, imports in cycles.items())
 
 
 @pytest.mark.unit

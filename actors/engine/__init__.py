@@ -12,15 +12,16 @@ realloc or worker. In dependency order:
   pipeline        micro-batch splitting, 1F1B training and fill-drain inference schedules
   logprobs        token logprobs and entropy from vocab-parallel logits
   optimizer       AdamW with fp32 master weights sharded over dp (ZeRO-1), LR schedule
-  model_engine    `ModelEngine`: train and inference steps over `SequenceBatch`es
+  model_engine    `ModelEngine`: train and inference steps over `SequenceBatch`es, every batch's ids
+                  checked against the vocabulary on the host first
   hf_io           safetensors slices into a shard, shards back into an HF directory
 """
 
 from __future__ import annotations
 
-from actors.engine.attention import CacheLayerShape, KVCache, expand_kv_heads, packed_attention
+from actors.engine.attention import CacheLayerShape, KVCache, attention_over_history, expand_kv_heads, packed_attention
 from actors.engine.hf_io import export_hf_checkpoint, gather_tp_shards, load_hf_checkpoint, merge_stage_states
-from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch
+from actors.engine.model_engine import LossFn, ModelEngine, SequenceBatch, TokenIdError, check_token_ids
 from actors.engine.optimizer import OPTIMIZER_STATE_KEYS, AdamWConfig, ShardedAdamW, adamw_config_from
 from actors.engine.packing import PackedBatch, pack_sequences
 from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
@@ -41,13 +42,13 @@ __all__ = [
     # packing.py
     "PackedBatch", "pack_sequences",
     # attention.py
-    "CacheLayerShape", "KVCache", "expand_kv_heads", "packed_attention",
+    "CacheLayerShape", "KVCache", "attention_over_history", "expand_kv_heads", "packed_attention",
     # parallelize.py
     "build_model_shard", "named_trainable_parameters", "norm_excluded_names",
     # optimizer.py
     "AdamWConfig", "OPTIMIZER_STATE_KEYS", "ShardedAdamW", "adamw_config_from",
     # model_engine.py
-    "LossFn", "ModelEngine", "SequenceBatch",
+    "LossFn", "ModelEngine", "SequenceBatch", "TokenIdError", "check_token_ids",
     # hf_io.py
     "export_hf_checkpoint", "gather_tp_shards", "load_hf_checkpoint", "merge_stage_states",
 ]

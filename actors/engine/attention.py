@@ -135,6 +135,49 @@ def packed_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def attention_over_history(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+    sliding_window: int | None = None, kv_index: Tensor | None = None,
+) -> Tensor:
+    """Causal attention of new tokens over their sequences' whole history (cached tokens, then
+    the new ones): sequence s has queries q[cu_q[s]:cu_q[s+1]], the LAST tokens of its keys
+    k[cu_k[s]:cu_k[s+1]], so query i of a sequence with n_q queries and n_k keys sees keys
+    0 .. n_k - n_q + i (causal aligned at the bottom right, FlashAttention's convention).
+
+    q: [T_q, Hq, D]; k, v: [T_k, Hkv, D]; cu_q, cu_k: int32 [B+1]. Returns [T_q, Hq, D]. On CUDA
+    with fp16/bf16 and torch's varlen kernel: one fused call; elsewhere SDPA with a mask."""
+    k, v = expand_kv_heads(k, kv_index), expand_kv_heads(v, kv_index)
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and varlen_attn_available():
+        from torch.nn.attention.varlen import varlen_attn
+
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+        gqa: dict[str, bool] = {}
+        if k.shape[1] != q.shape[1]:
+            if _varlen_takes_gqa():
+                gqa["enable_gqa"] = True
+            else:  # torch < 2.12: repeat each KV head for its query heads
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **gqa)
+    # Mask [T_q, T_k]: same sequence, key position <= query position (positions from each end).
+    seq_q = torch.searchsorted(cu_q[1:].contiguous(), torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype),
+                               right=True)
+    seq_k = torch.searchsorted(cu_k[1:].contiguous(), torch.arange(k.shape[0], device=k.device, dtype=cu_k.dtype),
+                               right=True)
+    n_q, n_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    pos_q = torch.arange(q.shape[0], device=q.device) - cu_q[:-1].long()[seq_q] + (n_k - n_q)[seq_q]
+    pos_k = torch.arange(k.shape[0], device=k.device) - cu_k[:-1].long()[seq_k]
+    visible = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+    if sliding_window is not None:
+        visible &= (pos_q[:, None] - pos_k[None, :]) < sliding_window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
 @dataclass(frozen=True)
 class CacheLayerShape:
     """Local K/V geometry of one attention layer (after tensor parallelism)."""
@@ -170,6 +213,10 @@ class KVCache:
             self.k[idx] = torch.zeros(size, dtype=dtype, device=device)
             self.v[idx] = torch.zeros(size, dtype=dtype, device=device)
         self.lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
+        # What a decode step adds to each length: 1 for every sequence, or 0 for the sequences a
+        # multi-turn loop has paused (their step writes a slot they will overwrite, and their
+        # length stays). A fixed buffer changed in place, so captured CUDA graphs read it.
+        self.step_increment = torch.ones(n_seqs, dtype=torch.int64, device=device)
         self.prefilled = False
 
     @staticmethod
@@ -243,15 +290,16 @@ class KVCache:
         return out.squeeze(2)
 
     def advance(self, batch: PackedBatch) -> None:
-        """Record the tokens a forward added: the prompts after prefill, one token after decode."""
+        """Record the tokens a forward added: the prompts after prefill, one token per sequence
+        after decode (`step_increment`: none for a paused sequence)."""
         if not self.prefilled:
             self.lengths.copy_((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(torch.int64))
             self.prefilled = True
         else:
-            self.lengths.add_(1)
+            self.lengths.add_(self.step_increment)
 
 
 __all__ = [
-    "BACKENDS", "CacheLayerShape", "KVCache", "expand_kv_heads", "flash_attn_available", "packed_attention",
-    "packed_causal_mask", "resolve_backend", "varlen_attn_available",
+    "BACKENDS", "CacheLayerShape", "KVCache", "attention_over_history", "expand_kv_heads", "flash_attn_available",
+    "packed_attention", "packed_causal_mask", "resolve_backend", "varlen_attn_available",
 ]

@@ -52,6 +52,26 @@ from planning.models import ModelSpec
 LossFn = Callable[[Tensor, dict[str, Tensor]], LossSums]
 
 
+class TokenIdError(ValueError):
+    """Token ids outside a model's vocabulary, found on the host before they reach its embedding
+    (where they would be a CUDA device-side assert, or an IndexError on CPU)."""
+
+
+def check_token_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
+    """TokenIdError naming `what`, the offending id and the vocabulary unless every id of `tokens`
+    is in [0, vocab_size). One min/max over the ids (on the host for the engine's batches, which
+    are moved to the device micro-batch by micro-batch): microseconds per thousand tokens."""
+    if tokens.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(tokens))
+    if 0 <= low and high < vocab_size:
+        return
+    bad = high if high >= vocab_size else low
+    raise TokenIdError(f"{what}: token id {bad} (largest {high}) is outside its vocabulary of {vocab_size} ids "
+                       f"(0..{vocab_size - 1}); the ids come from a tokenizer this model does not share "
+                       "(see models.<role>.tokenizer)")
+
+
 @dataclass(frozen=True)
 class SequenceBatch:
     """A packed batch on the host or device.
@@ -150,6 +170,13 @@ class ModelEngine:
         self._optimizer = None
 
     # ---- batch splitting -------------------------------------------------------------------------
+    def check_token_ids(self, batch: SequenceBatch, step: str) -> None:
+        """Every id of the whole batch inside this model's vocabulary (`check_token_ids`), once per
+        train step or forward, before any rank touches its embedding: all ranks see the same batch,
+        so they all raise together and none waits in a collective for the others."""
+        kind = "critic/reward model" if self.critic else "model"
+        check_token_ids(batch.tokens, self.spec.vocab_size, f"{step} of {kind} {self.spec.name!r}")
+
     def dp_share(self, batch: SequenceBatch) -> SequenceBatch:
         """The sequences of `batch` this dp rank processes."""
         parts = split_by_tokens(list(batch.lengths), self.groups.layout.dp, batch.group_size)
@@ -203,6 +230,7 @@ class ModelEngine:
             sums.append(result)
             return result.loss
 
+        self.check_token_ids(batch, "train step")
         micro = self._micro_batches(self.dp_share(batch), n_micro, micro_batch_tokens)
         train_1f1b(self.model, micro, self.groups, micro_loss, self.spec.hidden_size, self.dtype)
         sync_model_parallel_grads(self.model, self.groups, grad_of)
@@ -247,6 +275,7 @@ class ModelEngine:
     # ---- inference ---------------------------------------------------------------------------------
     def _forward(self, batch: SequenceBatch, n_micro: int, temperature: float, shift: bool, gather_dp: bool,
                  micro_batch_tokens: int | None) -> Tensor:
+        self.check_token_ids(batch, "forward_values" if self.critic else "forward_logprobs")
         share = self.dp_share(batch)
         micro = self._micro_batches(share, n_micro, micro_batch_tokens)
         self.model.eval()
@@ -289,4 +318,4 @@ class ModelEngine:
         return self._forward(batch, n_micro, 1.0, shift, gather_dp, micro_batch_tokens)
 
 
-__all__ = ["LossFn", "ModelEngine", "SequenceBatch"]
+__all__ = ["LossFn", "ModelEngine", "SequenceBatch", "TokenIdError", "check_token_ids"]

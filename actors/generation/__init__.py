@@ -6,19 +6,27 @@ May import actors.engine and actors.kernels. In dependency order:
   decoding   what to generate, the recorded output, the memory check, the cached decode step
   pipelined  pipeline-parallel generation: micro-batches circulate through the stages
   loop       `generate`: the serial loop, or the pipelined one when the layout has pp > 1
+  turns      what the multi-turn loop asks of the environments (`TurnSource`, `TurnResult`)
+  multiturn  `generate_turns`: trajectories that pause for an environment and resume on their cache
 """
 
 from __future__ import annotations
 
 from actors.generation.decoding import GenerationConfig
 from actors.generation.loop import generate
+from actors.generation.multiturn import TurnsOutput, generate_turns
 from actors.generation.sampling import SamplingParams
+from actors.generation.turns import TurnResult, TurnSource
 
 __all__ = [
     # sampling.py
     "SamplingParams",
     # decoding.py
     "GenerationConfig",
-    # generate.py
+    # loop.py
     "generate",
+    # turns.py
+    "TurnResult", "TurnSource",
+    # multiturn.py
+    "TurnsOutput", "generate_turns",
 ]

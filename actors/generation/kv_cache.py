@@ -38,7 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.engine import CacheLayerShape, KVCache, PackedBatch, expand_kv_heads, packed_attention
+from actors.engine import (
+    CacheLayerShape,
+    KVCache,
+    PackedBatch,
+    attention_over_history,
+    expand_kv_heads,
+    pack_sequences,
+    packed_attention,
+)
 from actors.kernels import gqa_decode_attention, kernel_supports_head_dim, triton_on, triton_runs
 
 DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
@@ -229,4 +237,67 @@ class HeadMajorKVCache(KVCache):
         return out.reshape(n_seqs, n_q, head_dim)
 
 
-__all__ = ["DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "resolve_decode_kernel"]
+class CacheExtension:
+    """A forward that appends packed tokens to some sequences of a `HeadMajorKVCache` at their
+    current lengths: a multi-turn trajectory's observation ids, prefilled after everything it has
+    cached (no re-prefill of its history).
+
+    The model sees it as a cache before its prefill (`prefilled` False), so it takes positions
+    from the batch (`extension_batch` makes them absolute: start + offset) and calls `prefill`,
+    which writes the new K/V at those slots and attends over the sequence's cached slots plus the
+    new tokens causally; `advance` then adds each sequence's new tokens to the cache's lengths.
+
+    rows: int64 [b] the cache rows extended, in the batch's sequence order; starts: int64 [b]
+    their lengths before the extension; new_lengths: int64 [b] the tokens each gets; span: the
+    longest row after it (a host int). Attention gathers each row's history token-major once per
+    layer and runs `attention_over_history` (one fused varlen call on CUDA).
+    """
+
+    prefilled = False
+
+    def __init__(self, cache: HeadMajorKVCache, rows: Tensor, starts: Tensor, span: int, new_lengths: Tensor) -> None:
+        self.cache, self.rows, self.starts, self.span = cache, rows, starts, span
+        # Where each row's keys come from (built once, shared by the layers): cu_k int32 [b+1],
+        # key_rows / key_slots int64 [T_k] (cache row and slot of every history token).
+        key_lengths = starts + new_lengths
+        self.cu_k = torch.zeros(len(rows) + 1, dtype=torch.int32, device=rows.device)
+        self.cu_k[1:] = torch.cumsum(key_lengths, 0).to(torch.int32)
+        total = int(self.cu_k[-1])
+        self.key_rows = torch.repeat_interleave(rows, key_lengths, output_size=total)
+        first = torch.repeat_interleave(self.cu_k[:-1].long(), key_lengths, output_size=total)
+        self.key_slots = torch.arange(total, device=rows.device) - first
+
+    def fused_qkv(self, layer: int) -> None:
+        return None  # the [q; k; v] concatenation serves decode steps only
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
+                sliding_window: int | None, kv_index: Tensor | None) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of the packed new tokens -> attention output [T, Hq, D]."""
+        seq, pos = batch.seq_ids(), batch.positions  # [T] each; positions are absolute slots
+        cache_k, cache_v = self.cache.k[layer], self.cache.v[layer]
+        cache_k[self.rows[seq], :, pos] = k.to(cache_k.dtype)
+        cache_v[self.rows[seq], :, pos] = v.to(cache_v.dtype)
+        # Each row's history, new tokens included, packed token-major: [T_k, Hkv, D].
+        keys = cache_k[self.key_rows, :, self.key_slots].to(q.dtype)
+        values = cache_v[self.key_rows, :, self.key_slots].to(q.dtype)
+        return attention_over_history(q, keys, values, batch.cu_seqlens, self.cu_k, batch.max_seqlen, self.span,
+                                      sliding_window, kv_index)
+
+    def advance(self, batch: PackedBatch) -> None:
+        added = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(torch.int64)
+        self.cache.lengths[self.rows] += added
+        self.cache.step_masks.clear()  # the lengths moved
+
+
+def extension_batch(new_ids: list[Tensor], starts: list[int], device: torch.device) -> tuple[Tensor, PackedBatch]:
+    """Packed new tokens of some sequences and their boundaries, positions starting at each
+    sequence's current length (`starts`) rather than 0."""
+    tokens, batch = pack_sequences([ids.to(torch.int64) for ids in new_ids], device)
+    lengths = torch.tensor([ids.numel() for ids in new_ids], dtype=torch.int64)
+    shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), lengths).to(device)
+    return tokens, PackedBatch(batch.cu_seqlens, batch.positions + shift, batch.max_seqlen)
+
+
+__all__ = [
+    "CacheExtension", "DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "extension_batch", "resolve_decode_kernel",
+]

@@ -17,87 +17,93 @@ alone, and as much again in backward. These kernels read the bf16/fp16/fp32 logi
 
 The kernels need CUDA, or CPU tensors under Triton's interpreter (tests); see
 actors.kernels.switch. The torch code in actors.engine.logprobs is the reference and CPU path.
-Importing this module imports triton, so callers import it lazily.
+Importing this module needs no triton: the kernels are defined only where it is installed.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
+
+from actors.kernels.switch import triton_installed
 
 # Columns per block: a [4096] float32 block is 16 KB of registers per program on the GPU, and a
 # 128k-256k vocab row takes 32-64 iterations. Tests pass small blocks to keep the interpreter fast.
 DEFAULT_BLOCK = 4096
 
 
-@triton.jit
-def _logprob_fwd_kernel(
-    logits_ptr, allowed_ptr, target_ptr,  # [T, V] logits, [T, V] uint8 mask (if HAS_ALLOWED), [T] int64
-    max_ptr, sumexp_ptr, picked_ptr,  # outputs, [T] float32 each
-    n_cols, stride_logits, stride_allowed, temperature,
-    HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_logits = logits_ptr + row * stride_logits
-    row_allowed = allowed_ptr + row * stride_allowed
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")  # running max of the scaled row
-    s = 0.0  # running sum of exp(x - m)
-    for start in range(0, n_cols, BLOCK):
-        idx = start + cols
-        in_row = idx < n_cols
-        x = tl.load(row_logits + idx, mask=in_row, other=float("-inf")).to(tl.float32) / temperature
+# triton is optional (a CPU-only install has none): the kernels exist only where it imports, and
+# the launchers below say so clearly when asked without it.
+if triton_installed():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _logprob_fwd_kernel(
+        logits_ptr, allowed_ptr, target_ptr,  # [T, V] logits, [T, V] uint8 mask (if HAS_ALLOWED), [T] int64
+        max_ptr, sumexp_ptr, picked_ptr,  # outputs, [T] float32 each
+        n_cols, stride_logits, stride_allowed, temperature,
+        HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_logits = logits_ptr + row * stride_logits
+        row_allowed = allowed_ptr + row * stride_allowed
+        cols = tl.arange(0, BLOCK)
+        m = float("-inf")  # running max of the scaled row
+        s = 0.0  # running sum of exp(x - m)
+        for start in range(0, n_cols, BLOCK):
+            idx = start + cols
+            in_row = idx < n_cols
+            x = tl.load(row_logits + idx, mask=in_row, other=float("-inf")).to(tl.float32) / temperature
+            if HAS_ALLOWED:
+                keep = tl.load(row_allowed + idx, mask=in_row, other=0) != 0
+                x = tl.where(keep, x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            # While every entry so far is masked, m_new = -inf: shift by 0 instead (exp(-inf) = 0, no NaN).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            m = m_new
+        tl.store(max_ptr + row, m)
+        tl.store(sumexp_ptr + row, s)
+
+        # The target's scaled logit, if its id falls in this rank's slice [0, n_cols); 0 otherwise.
+        target = tl.load(target_ptr + row)
+        owned = (target >= 0) & (target < n_cols)
+        safe_target = tl.where(owned, target, 0)
+        picked = tl.load(row_logits + safe_target, mask=owned, other=0.0).to(tl.float32) / temperature
         if HAS_ALLOWED:
-            keep = tl.load(row_allowed + idx, mask=in_row, other=0) != 0
-            x = tl.where(keep, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # While every entry so far is masked, m_new = -inf: shift by 0 instead (exp(-inf) = 0, no NaN).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m = m_new
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
-
-    # The target's scaled logit, if its id falls in this rank's slice [0, n_cols); 0 otherwise.
-    target = tl.load(target_ptr + row)
-    owned = (target >= 0) & (target < n_cols)
-    safe_target = tl.where(owned, target, 0)
-    picked = tl.load(row_logits + safe_target, mask=owned, other=0.0).to(tl.float32) / temperature
-    if HAS_ALLOWED:
-        target_kept = tl.load(row_allowed + safe_target, mask=owned, other=1) != 0
-        picked = tl.where(target_kept, picked, float("-inf"))
-    tl.store(picked_ptr + row, picked)
+            target_kept = tl.load(row_allowed + safe_target, mask=owned, other=1) != 0
+            picked = tl.where(target_kept, picked, float("-inf"))
+        tl.store(picked_ptr + row, picked)
 
 
-@triton.jit
-def _logprob_bwd_kernel(
-    logits_ptr, allowed_ptr, target_ptr,  # [T, V] logits, [T, V] uint8 mask (if HAS_ALLOWED), [T] int64
-    log_z_ptr, grad_ptr,  # [T] float32: global log-normaliser, incoming gradient
-    out_ptr,  # [T, V] gradient w.r.t. the logits, logits dtype, contiguous
-    n_cols, stride_logits, stride_allowed, stride_out, temperature,
-    HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_logits = logits_ptr + row * stride_logits
-    row_allowed = allowed_ptr + row * stride_allowed
-    row_out = out_ptr + row * stride_out
-    log_z = tl.load(log_z_ptr + row)
-    scale = tl.load(grad_ptr + row) / temperature  # d logprob / d scaled logit -> d / d logit
-    target = tl.load(target_ptr + row)  # local index; outside [0, n_cols) when not owned
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, n_cols, BLOCK):
-        idx = start + cols
-        in_row = idx < n_cols
-        x = tl.load(row_logits + idx, mask=in_row, other=0.0).to(tl.float32) / temperature
-        p = tl.exp(x - log_z)
-        if HAS_ALLOWED:
-            keep = tl.load(row_allowed + idx, mask=in_row, other=0) != 0
-            p = tl.where(keep, p, 0.0)
-        onehot = tl.where(idx == target, 1.0, 0.0)
-        g = (onehot - p) * scale
-        tl.store(row_out + idx, g.to(out_ptr.dtype.element_ty), mask=in_row)
+    @triton.jit
+    def _logprob_bwd_kernel(
+        logits_ptr, allowed_ptr, target_ptr,  # [T, V] logits, [T, V] uint8 mask (if HAS_ALLOWED), [T] int64
+        log_z_ptr, grad_ptr,  # [T] float32: global log-normaliser, incoming gradient
+        out_ptr,  # [T, V] gradient w.r.t. the logits, logits dtype, contiguous
+        n_cols, stride_logits, stride_allowed, stride_out, temperature,
+        HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_logits = logits_ptr + row * stride_logits
+        row_allowed = allowed_ptr + row * stride_allowed
+        row_out = out_ptr + row * stride_out
+        log_z = tl.load(log_z_ptr + row)
+        scale = tl.load(grad_ptr + row) / temperature  # d logprob / d scaled logit -> d / d logit
+        target = tl.load(target_ptr + row)  # local index; outside [0, n_cols) when not owned
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, n_cols, BLOCK):
+            idx = start + cols
+            in_row = idx < n_cols
+            x = tl.load(row_logits + idx, mask=in_row, other=0.0).to(tl.float32) / temperature
+            p = tl.exp(x - log_z)
+            if HAS_ALLOWED:
+                keep = tl.load(row_allowed + idx, mask=in_row, other=0) != 0
+                p = tl.where(keep, p, 0.0)
+            onehot = tl.where(idx == target, 1.0, 0.0)
+            g = (onehot - p) * scale
+            tl.store(row_out + idx, g.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 def _check_inputs(logits: Tensor, local_target: Tensor, allowed: Tensor | None) -> Tensor:

@@ -8,6 +8,7 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   memory       the peak GPU memory of each call (a probe reset before it, read after it)
   execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
+  rollout      `Rollout`: a train call's rows merged from their producer shards and packed
   behaviour    the behaviour policy's logprobs of a train call (actor_inf's, recomputed or reused) and
                the truncated importance weights against the rollout's
   train        the training ops: PPO actor and critic, ReMax and DPO actors

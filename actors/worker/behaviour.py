@@ -6,21 +6,19 @@ call, are recomputed under the train layout, or, when nothing needs them before 
 optimizer step, are taken from that step's forward (`reuses_forward_logprobs`). The rollout's
 logprobs (generation time, possibly older weights under bounded staleness) enter only through
 truncated importance weights (params['rollout_is'], actors.rl.importance). Tensors are float32
-[T] over the packed rows of `actors.worker.train.Rollout`.
+[T] over the packed rows of `actors.worker.rollout.Rollout`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from actors.engine import SequenceBatch
 from actors.rl import truncated_is_weights
 from actors.worker.calls import CallContext, micro_batching
-
-if TYPE_CHECKING:  # train.py imports this module; the batch type is only an annotation here
-    from actors.worker.train import Rollout
+from actors.worker.rollout import Rollout
 
 
 def reuses_forward_logprobs(params: dict[str, Any]) -> bool:

@@ -12,6 +12,7 @@ write (per-row lists; `<p>` is params["in_prefix"] / ["out_prefix"], default "")
                <p>no_eos, prompt_index (+ prompt, answer, <p>response when a tokenizer is given)
   rule_reward  <p>prompt/<p>response text (or ids + tokenizer), answer -> params["out_key"] ("rewards")
   model_reward prompt_ids, <p>response_ids -> out_key: the reward model's value at the last token
+               (with params["reward_text"]: of the rows' text re-tokenized with its own tokenizer)
   logprobs     prompt_ids, response_ids -> out_key ("ref_logprobs"): per response token
   values       prompt_ids, response_ids -> "values": V(state before each response token)
   ppo_actor / ppo_critic / grpo_actor / remax_actor / dpo_actor: training, see actors.worker.train
@@ -28,6 +29,7 @@ whole batch), generation runs a dp rank's rows in `gen_rounds` rounds (`run_gene
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -200,7 +202,7 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
         meta["samples"] = [{"prompt": columns["prompt"][i] if "prompt" in columns else None,
                             "response": tokenizer.decode(responses[i].tolist(), skip_special_tokens=True)}
                            for i in range(min(2, len(index)))]
-    return _shard_of_my_rows(ctx, columns, meta)
+    return shard_of_my_rows(ctx, columns, meta)
 
 
 def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], responses: list[Tensor],
@@ -230,7 +232,7 @@ def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], response
     return per_row[start:start + len(mine)]
 
 
-def _shard_of_my_rows(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict]:
+def shard_of_my_rows(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict]:
     """Columns that already hold exactly this dp rank's rows -> (meta, shard)."""
     rows = ctx.my_rows
     return {**meta, "row_start": rows.start, "n": len(rows), "owner": True}, make_shard(rows.start, columns)
@@ -249,7 +251,7 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     prefix = str(p.get("in_prefix", ""))
     rows = ctx.my_rows
     cols = merge_shards(inputs, rows, [], optional=["prompt", f"{prefix}response", "answer", "prompt_ids",
-                                                    f"{prefix}prompt_ids", f"{prefix}response_ids"])
+                                                    f"{prefix}prompt_ids", f"{prefix}response_ids", "prompt_index"])
     tokenizer = None
     texts: dict[str, list[str]] = {}
     for key in ("prompt", "response"):
@@ -267,9 +269,9 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
     answers = cols.get("answer", [None] * len(rows))
     name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     scores = score_rows(fn, str(name), texts["prompt"], texts["response"], answers, rows.start, ctx.call.name,
-                        ctx.call.iteration, p)
+                        ctx.call.iteration, p, cols.get("prompt_index"))
     out_key = str(p.get("out_key", "rewards"))
-    return _shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
+    return shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
 
 
 def decode_rows(tokenizer: Any, rows: Sequence[Tensor]) -> list[str]:
@@ -295,16 +297,55 @@ def micro_batching(ctx: CallContext) -> MicroBatching:
 
 
 def run_model_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
-    """A reward model's score: its head's output at each sequence's last token."""
+    """A reward model's score: its head's output at each sequence's last token. With
+    params["reward_text"] (a reward model with another tokenizer than the actor's) the sequences
+    are the rows' text re-tokenized with its own tokenizer (`retokenized_batch`), else the
+    actor's ids as they are."""
     engine = ctx.need_engine()
-    batch, plens, rlens = _packed_inputs(ctx, inputs, str(ctx.params.get("in_prefix", "")))
+    prefix = str(ctx.params.get("in_prefix", ""))
+    meta: dict[str, Any] = {}
+    if ctx.params.get("reward_text"):
+        batch, cut = retokenized_batch(ctx, inputs, prefix, ctx.params["reward_text"])
+        mine = cut[ctx.my_rows.start:ctx.my_rows.stop]
+        # Sequences cut to the reward model's max_length: summed over the owners (each counts its rows).
+        meta = {"summed": {"reward/truncated": float(sum(mine))} if ctx.owner else {},
+                "reward/seq_len_mean": sum(batch.lengths) / len(batch.lengths)}
+    else:
+        batch = _packed_inputs(ctx, inputs, prefix)[0]
     mb = micro_batching(ctx)
     scores_per_pos = engine.forward_values(batch, mb.n_micro, shift=False, gather_dp=True,
                                            micro_batch_tokens=mb.tokens).float().cpu()
     ends = torch.cumsum(torch.tensor(batch.lengths), 0) - 1
     scores = scores_per_pos[ends].tolist()
     out_key = str(ctx.params.get("out_key", "rewards"))
-    return owner_result(ctx, {out_key: scores}, {"rewards": scores[ctx.my_rows.start:ctx.my_rows.stop]})
+    return owner_result(ctx, {out_key: scores}, {**meta, "rewards": scores[ctx.my_rows.start:ctx.my_rows.stop]})
+
+
+def retokenized_batch(ctx: CallContext, inputs: Sequence[dict | None], prefix: str,
+                      text: dict[str, Any]) -> tuple[SequenceBatch, list[bool]]:
+    """Every row of the call as the reward model's tokenizer sees it, packed (one sequence per
+    row), and which rows were cut to its max_length. The bridge (`text["bridge"]`, by name:
+    app.data.tokenizers.RewardText) decodes the response with the actor's tokenizer, renders it
+    with the prompt text and re-tokenizes; every rank builds the same batch from the same rows."""
+    cols = merge_shards(inputs, range(ctx.call.n_rows), [f"{prefix}prompt_ids", f"{prefix}response_ids"],
+                        optional=["prompt"])
+    prompts = cols.get("prompt", [None] * ctx.call.n_rows)
+    rows, cut = reward_text_bridge(text).rows(prompts, [t.tolist() for t in cols[f"{prefix}prompt_ids"]],
+                                              [t.tolist() for t in cols[f"{prefix}response_ids"]])
+    tokens = torch.tensor([i for row in rows for i in row], dtype=torch.int64)
+    return SequenceBatch(tokens, tuple(len(row) for row in rows)), cut
+
+
+def reward_text_bridge(text: dict[str, Any]) -> Any:
+    """The text bridge `text` describes, built once per worker process and description."""
+    return _bridge(tuple(sorted(text.items())))
+
+
+@functools.lru_cache(maxsize=4)
+def _bridge(items: tuple[tuple[str, Any], ...]) -> Any:
+    kwargs = dict(items)
+    factory = import_object(str(kwargs.pop("bridge")), "params['reward_text']['bridge']")
+    return factory(**kwargs)
 
 
 # ---- inference ----------------------------------------------------------------------------------
@@ -353,6 +394,6 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 __all__ = [
     "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
-    "generation_seed", "micro_batching", "owner_result", "run_generate", "run_logprobs", "run_model_reward",
-    "run_rule_reward", "run_values", "timed",
+    "generation_seed", "micro_batching", "owner_result", "retokenized_batch", "reward_text_bridge", "run_generate",
+    "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "shard_of_my_rows", "timed",
 ]

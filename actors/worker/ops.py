@@ -7,15 +7,17 @@ group), beside its GPU calls.
 
 from __future__ import annotations
 
-from actors.worker.calls import run_generate, run_logprobs, run_model_reward, run_rule_reward, run_values
+from actors.worker.calls import run_logprobs, run_model_reward, run_rule_reward, run_values
+from actors.worker.multiturn import run_env_reward, run_generation
 from actors.worker.outcome_train import run_grpo_actor, run_outcome_actor
 from actors.worker.select import run_select_rows
 from actors.worker.train import run_dpo_actor, run_ppo_actor, run_ppo_critic, run_remax_actor
 
 # Ops by name (a plain mapping; app/algorithms put the name in CallSpec.params["op"]).
 CALL_OPS = {
-    "generate": run_generate,
+    "generate": run_generation,
     "rule_reward": run_rule_reward,
+    "env_reward": run_env_reward,
     "model_reward": run_model_reward,
     "logprobs": run_logprobs,
     "values": run_values,
@@ -27,7 +29,7 @@ CALL_OPS = {
     "remax_actor": run_remax_actor,
     "dpo_actor": run_dpo_actor,
 }
-MODEL_FREE_OPS = ("rule_reward", "select_rows")
+MODEL_FREE_OPS = ("rule_reward", "env_reward", "select_rows")
 # Model-free calls (decode + score on the host) run on this Ray concurrency group's threads,
 # overlapping the worker's next GPU call; they join no collective and are pure functions of
 # their inputs, so neither the collective order nor any number changes.

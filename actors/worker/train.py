@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -65,48 +65,9 @@ from actors.worker.behaviour import (
     reuses_forward_logprobs,
 )
 from actors.worker.calls import CallContext, micro_batching
-from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
+from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows
 from actors.worker.guards import check_update
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """The whole batch of one train call, packed. tokens int64 [T]; mask, logprobs (sampling),
-    ref_logprobs, values, old_logprobs (from an actor_inf call) float32 [T] (zeros on prompts);
-    scores float32 [B] (after the no-EOS penalty); cu_seqlens int64 [B+1]; prompt_index int64 [B]
-    (which prompt each row answers) when the generation gave it."""
-
-    tokens: Tensor
-    lengths: tuple[int, ...]
-    cu_seqlens: Tensor
-    mask: Tensor
-    logprobs: Tensor
-    ref_logprobs: Tensor | None
-    values: Tensor | None
-    scores: Tensor
-    raw_scores: Tensor
-    response_lengths: list[int]
-    old_logprobs: Tensor | None = None
-    prompt_index: Tensor | None = None
-
-
-def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence[str]) -> Rollout:
-    """Merge the producer shards of every row into a `Rollout` (keys in `need` are required)."""
-    optional = [k for k in ("ref_logprobs", "values", "no_eos", "greedy_rewards", "old_logprobs", "prompt_index")
-                if k not in need]
-    cols = merge_shards(inputs, range(ctx.call.n_rows), ["prompt_ids", "response_ids", "logprobs", "rewards", *need],
-                        optional=optional)
-    tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
-    plens = [t.numel() for t in cols["prompt_ids"]]
-    raw = torch.tensor([float(x) for x in cols["rewards"]], dtype=torch.float32)
-    penalty = float(ctx.params.get("no_eos_penalty", 0.0))
-    no_eos = torch.tensor([float(x) for x in cols.get("no_eos", [False] * len(lengths))])
-    per_token = {k: scatter_responses(cols[k], plens) if k in cols else None
-                 for k in ("ref_logprobs", "values", "old_logprobs")}
-    index = torch.tensor([int(x) for x in cols["prompt_index"]]) if "prompt_index" in cols else None
-    return Rollout(tokens, tuple(lengths), cu_seqlens_of(lengths), mask, scatter_responses(cols["logprobs"], plens),
-                   per_token["ref_logprobs"], per_token["values"], raw - penalty * no_eos, raw,
-                   [t.numel() for t in cols["response_ids"]], per_token["old_logprobs"], index)
+from actors.worker.rollout import Rollout, load_rollout
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> float:
@@ -387,7 +348,7 @@ def run_dpo_actor(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict
 
 
 __all__ = [
-    "POLICY_LOSSES", "Rollout", "load_rollout", "masked_mean", "minibatch_rows", "policy_loss_fn", "ppo_returns",
+    "POLICY_LOSSES", "masked_mean", "minibatch_rows", "policy_loss_fn", "ppo_returns",
     "rollout_kl", "rollout_metrics", "run_ppo_actor", "run_ppo_critic", "run_remax_actor", "select_rows",
     "train_actor",
     "dpo_loss_fn", "load_pairs", "pair_minibatches", "run_dpo_actor",

@@ -18,7 +18,13 @@ from app.algorithms.dpo import DPOHyperparams, preference_shard, toy_preference_
 from app.algorithms.grpo import GRPOHyperparams
 from app.algorithms.outcome import OUTCOME_RUNTIME, OutcomeHyperparams
 from app.algorithms.ppo import PPOHyperparams, RolloutSettings
-from app.algorithms.settings import RUNTIME_ALGORITHMS, AlgorithmSettings, call_params, settings_from_config
+from app.algorithms.settings import (
+    MULTI_TURN_ALGORITHMS,
+    RUNTIME_ALGORITHMS,
+    AlgorithmSettings,
+    call_params,
+    settings_from_config,
+)
 
 __all__ = [
     # ppo.py
@@ -30,5 +36,5 @@ __all__ = [
     # dpo.py
     "DPOHyperparams", "preference_shard", "toy_preference_records",
     # settings.py
-    "AlgorithmSettings", "RUNTIME_ALGORITHMS", "call_params", "settings_from_config",
+    "AlgorithmSettings", "MULTI_TURN_ALGORITHMS", "RUNTIME_ALGORITHMS", "call_params", "settings_from_config",
 ]

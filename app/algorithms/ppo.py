@@ -54,6 +54,10 @@ class RolloutSettings:
 
     tokenizer: 'module:Class' or an HF directory (decodes responses for rule rewards and logs);
     reward_fn: 'module:function' or 'file.py:function'; None scores with the reward model.
+    env: multi-turn rollouts (the environments score the trajectories; reward_fn is not used).
+    reward_text: a reward model with another tokenizer than the actor's reads the text: the
+    arguments of the bridge the workers build (app.data.RewardText, named by its 'bridge' entry;
+    app.run.tokenizer_check); None: it reads the actor's token ids as they are.
     """
 
     max_new_tokens: int
@@ -66,6 +70,10 @@ class RolloutSettings:
     tokenizer: str | None = None
     reward_fn: str | None = None
     compile_decode: bool = False
+    # Multi-turn rollouts (app.algorithms.multiturn.env_params): what the worker builds the
+    # environments from, and the token budget; None: single-turn generation.
+    env: dict[str, Any] | None = None
+    reward_text: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
@@ -84,11 +92,14 @@ class RolloutSettings:
         return {"op": "generate", "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed, "greedy": greedy,
                 "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
-                "compile": self.compile_decode}
+                "compile": self.compile_decode, **({"env": self.env} if self.env else {})}
 
     def reward_params(self, in_prefix: str = "", out_key: str = "rewards") -> dict[str, Any]:
+        if self.env:  # the environments' rewards, carried by the generation's rows
+            return {"op": "env_reward", "out_key": out_key}
         if self.reward_fn is None:
-            return {"op": "model_reward", "in_prefix": in_prefix, "out_key": out_key}
+            text = {"reward_text": self.reward_text} if self.reward_text else {}
+            return {"op": "model_reward", "in_prefix": in_prefix, "out_key": out_key, **text}
         return {"op": "rule_reward", "reward_fn": self.reward_fn, "tokenizer": self.tokenizer,
                 "in_prefix": in_prefix, "out_key": out_key}
 

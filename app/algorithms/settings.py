@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.algorithms import dpo, grpo, outcome, ppo, remax
+import app.algorithms.dpo as dpo
+import app.algorithms.grpo as grpo
+import app.algorithms.outcome as outcome
+import app.algorithms.ppo as ppo
+import app.algorithms.remax as remax
 from app.algorithms.dpo import DPOHyperparams
 from app.algorithms.grpo import GRPOHyperparams
 from app.algorithms.outcome import OUTCOME_RUNTIME, OutcomeHyperparams
@@ -20,6 +24,10 @@ from app.config import DAPO_CLIP_EPS_HIGH, rollout_is_level, samples_per_prompt
 from planning.dataflow import MFC
 
 RUNTIME_ALGORITHMS = ("ppo", "grpo", "remax", "dpo", *OUTCOME_RUNTIME)
+# The algorithms whose generation can be multi-turn (rollout.env): ReMax's greedy baseline and
+# DPO's offline pairs have no place for an environment.
+MULTI_TURN_ALGORITHMS = ("ppo", "grpo", *OUTCOME_RUNTIME)
+ENV_SESSIONS = "app.envs.sessions:EnvSessions"  # what the workers build environments with (by name)
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,8 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     s, p, b = cfg.sampling, cfg.ppo, cfg.batch
     rollout = RolloutSettings(max_new_tokens=b.gen_len, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               seed=cfg.run.seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile)
+                              tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile,
+                              env=env_params(cfg, tokenizer))
     clip_high = p.clip_eps_high
     if clip_high is None and cfg.algorithm == "dapo":
         clip_high = DAPO_CLIP_EPS_HIGH  # DAPO's clip-higher unless set
@@ -95,6 +104,24 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
     return AlgorithmSettings(cfg.algorithm, rollout, hp, group, pairs, outcome_settings(cfg), rounds)
 
 
+def env_params(cfg: Any, tokenizer: str | None) -> dict[str, Any] | None:
+    """What a generation worker builds its environments from (`app.envs.sessions.EnvSessions`'s
+    arguments, plain values) and the trajectory's token budget; None without `rollout.env`."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("rollout.env: multi-turn rollouts need the data tokenizer (data.tokenizer) on the workers")
+    kwargs = {
+        "env": r.env, "env_kwargs": dict(r.env_kwargs), "tokenizer": tokenizer, "chat_template": cfg.data.chat_template,
+        "observation_role": r.observation_role, "max_turns": r.max_turns,
+        "max_observation_tokens": r.max_observation_tokens, "env_timeout_s": r.env_timeout_s,
+        "env_workers": r.env_workers, "reward_discount": r.reward_discount,
+        "max_prompt_tokens": cfg.data.max_prompt_len or cfg.batch.prompt_len,
+    }
+    return {"sessions": ENV_SESSIONS, "budget": r.response_budget(cfg.batch.gen_len), "kwargs": kwargs}
+
+
 def outcome_settings(cfg: Any) -> OutcomeHyperparams | None:
     """The OutcomeHyperparams of an outcome algorithm's config (None for the others)."""
     if cfg.algorithm not in OUTCOME_RUNTIME:
@@ -107,4 +134,7 @@ def outcome_settings(cfg: Any) -> OutcomeHyperparams | None:
                               clip[0], clip[1], overlong[0], overlong[1])
 
 
-__all__ = ["AlgorithmSettings", "RUNTIME_ALGORITHMS", "call_params", "outcome_settings", "settings_from_config"]
+__all__ = [
+    "AlgorithmSettings", "ENV_SESSIONS", "MULTI_TURN_ALGORITHMS", "RUNTIME_ALGORITHMS", "call_params", "env_params",
+    "outcome_settings", "settings_from_config",
+]

@@ -18,7 +18,14 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
-from app.cli import generate, plan, profile, report, score, train
+# The command modules by their own names, not through the package: app/cli/__init__.py imports
+# this module, so `from app.cli import ...` here would read a package still being initialised.
+import app.cli.generate as generate
+import app.cli.plan as plan
+import app.cli.profile as profile
+import app.cli.report as report
+import app.cli.score as score
+import app.cli.train as train
 from app.config import ConfigError
 
 # Modules defining one command each (`add_parser`). Explicit, so the CLI is readable in one place.

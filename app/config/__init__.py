@@ -2,10 +2,11 @@
 
 Pure Python (pydantic, planning): `python -m app plan` loads it without torch or ray. May import
 planning only. In dependency order:
+  errors      `ConfigError`: the field, the value and what is allowed
   files       UTF-8 text that names the line of a bad byte, YAML that refuses duplicate keys
   sections    config sections that only training reads: data, reward, sampling, ppo, grpo, dapo, gspo, dpo, ...
   checks      what each algorithm reads (KL in the reward or as a loss, groups), cross-field checks
-  experiment  `ExperimentConfig`: the YAML schema, dotted overrides, `ConfigError` naming the field
+  experiment  `ExperimentConfig`: the YAML schema, dotted overrides, every error as a `ConfigError`
   problem     config -> planning problem: graph, cluster, model specs, manual plans, search errors
   preflight   the files a config names, checked before Ray: model and tokenizer dirs, output paths
 """
@@ -20,20 +21,23 @@ from app.config.checks import (
     samples_per_prompt,
     uses_ref,
 )
-from app.config.experiment import ConfigError, ExperimentConfig, load_config
+from app.config.errors import ConfigError
+from app.config.experiment import ExperimentConfig, ModelSource, load_config
 from app.config.files import load_yaml, read_utf8
-from app.config.preflight import check_model_dir, check_out_path, check_tokenizer_dir
+from app.config.preflight import check_model_dir, check_out_path, check_tokenizer_dir, model_tokenizer
 from app.config.problem import build_problem, manual_plan, model_spec, role_sources, search_error
 
 __all__ = [
     # checks.py
     "ALGORITHMS", "DAPO_CLIP_EPS_HIGH", "generation_rounds", "rollout_is_level", "samples_per_prompt", "uses_ref",
+    # errors.py
+    "ConfigError",
     # files.py
     "load_yaml", "read_utf8",
     # experiment.py
-    "ConfigError", "ExperimentConfig", "load_config",
+    "ExperimentConfig", "ModelSource", "load_config",
     # problem.py
     "build_problem", "manual_plan", "model_spec", "role_sources", "search_error",
     # preflight.py
-    "check_model_dir", "check_out_path", "check_tokenizer_dir",
+    "check_model_dir", "check_out_path", "check_tokenizer_dir", "model_tokenizer",
 ]

@@ -9,14 +9,18 @@ settings of app.algorithms):
   grouped           grpo, rloo, reinforce_pp_baseline, dapo, gspo: batch.group_size >= 2 samples
                     per prompt, advantages from each prompt's group
 Every failure is a `ConfigError` naming the field (checked in `validate_config`, before any run).
+
+app.config.experiment calls `check_training_fields` while validating, so this module sits below
+it and never imports it: the functions take any `ConfigFields`, the part of an `ExperimentConfig`
+they read (a structural type, which `ExperimentConfig` satisfies).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # experiment.py imports this module; the config type is only an annotation here
-    from app.config.experiment import ExperimentConfig
+from app.config.errors import ConfigError
+from app.config.sections import DAPOConfig, GRPOConfig, PPOConfig
 
 ALGORITHMS = ("ppo", "grpo", "dpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo")
 KL_IN_REWARD = ("ppo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -26,12 +30,54 @@ SAMPLES_PER_PROMPT = GROUPED + ("reinforce_pp",)  # generation samples batch.gro
 DAPO_CLIP_EPS_HIGH = 0.28
 
 
-def samples_per_prompt(cfg: ExperimentConfig) -> int:
+# What these functions read of an `app.config.experiment.ExperimentConfig`, as structural types
+# (see the module docstring); the sections of app.config.sections are used as they are.
+class BatchFields(Protocol):
+    @property
+    def prompts(self) -> int: ...
+    @property
+    def gen_len(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def ppo_minibatches(self) -> int: ...
+
+
+class RunFields(Protocol):
+    @property
+    def max_staleness(self) -> int: ...
+
+
+class PlanFields(Protocol):
+    @property
+    def recalibrate_after(self) -> int | None: ...
+
+
+class ConfigFields(Protocol):
+    """The fields of an `app.config.experiment.ExperimentConfig` the algorithm checks read."""
+
+    @property
+    def algorithm(self) -> str: ...
+    @property
+    def batch(self) -> BatchFields: ...
+    @property
+    def run(self) -> RunFields: ...
+    @property
+    def plan(self) -> PlanFields: ...
+    @property
+    def ppo(self) -> PPOConfig: ...
+    @property
+    def grpo(self) -> GRPOConfig: ...
+    @property
+    def dapo(self) -> DAPOConfig: ...
+
+
+def samples_per_prompt(cfg: ConfigFields) -> int:
     """Sequences generated per prompt: batch.group_size for the outcome algorithms, else 1."""
     return cfg.batch.group_size if cfg.algorithm in SAMPLES_PER_PROMPT else 1
 
 
-def uses_ref(cfg: ExperimentConfig) -> bool:
+def uses_ref(cfg: ConfigFields) -> bool:
     """Whether a loss reads the reference's logprobs (else its call is pruned from the graph)."""
     if cfg.algorithm in ("ppo", "dpo"):
         return True
@@ -40,7 +86,7 @@ def uses_ref(cfg: ExperimentConfig) -> bool:
     return cfg.ppo.kl_coef > 0
 
 
-def rollout_is_level(cfg: ExperimentConfig) -> str | None:
+def rollout_is_level(cfg: ConfigFields) -> str | None:
     """ppo.rollout_is resolved: 'token' / 'sequence', or None (auto: token when stale)."""
     level = cfg.ppo.rollout_is
     if level == "auto":
@@ -48,7 +94,7 @@ def rollout_is_level(cfg: ExperimentConfig) -> str | None:
     return None if level == "none" else level
 
 
-def generation_rounds(cfg: ExperimentConfig) -> float:
+def generation_rounds(cfg: ConfigFields) -> float:
     """Expected generation rounds per iteration: DAPO's dynamic sampling keeps 1 - expected_drop_rate
     of the groups, so it generates 1 / (1 - rate) rounds on average (at most max_gen_rounds)."""
     d = cfg.dapo
@@ -57,10 +103,8 @@ def generation_rounds(cfg: ExperimentConfig) -> float:
     return min(float(d.max_gen_rounds), 1.0 / (1.0 - d.expected_drop_rate))
 
 
-def check_training_fields(cfg: ExperimentConfig) -> None:
+def check_training_fields(cfg: ConfigFields) -> None:
     """Cross-field checks of the algorithm sections; raises ConfigError naming the field."""
-    from app.config.experiment import ConfigError
-
     a, b = cfg.algorithm, cfg.batch
     if a in KL_AS_LOSS and "kl_coef" in cfg.ppo.model_fields_set and cfg.ppo.kl_coef != 0:
         # These put no KL penalty into the rewards: a non-zero ppo.kl_coef would be ignored silently.
@@ -93,6 +137,6 @@ def check_training_fields(cfg: ExperimentConfig) -> None:
 
 
 __all__ = [
-    "ALGORITHMS", "DAPO_CLIP_EPS_HIGH", "GROUPED", "KL_AS_LOSS", "KL_IN_REWARD", "SAMPLES_PER_PROMPT",
+    "ALGORITHMS", "ConfigFields", "DAPO_CLIP_EPS_HIGH", "GROUPED", "KL_AS_LOSS", "KL_IN_REWARD", "SAMPLES_PER_PROMPT",
     "check_training_fields", "generation_rounds", "rollout_is_level", "samples_per_prompt", "uses_ref",
 ]

@@ -5,7 +5,9 @@ scalars, so `plan.seconds=1` is an int and `cluster.virtual_gpus=true` a bool) a
 with `extra="forbid"` everywhere. app.config.problem turns a config into the planner's inputs.
 
 Every bad input, whether caught by pydantic or by the semantic checks here, surfaces as one
-`ConfigError` whose message names the dotted field, the value and what is allowed.
+`ConfigError` (app.config.errors) whose message names the dotted field, the value and what is
+allowed. The algorithm checks (app.config.checks) sit below this module: they read the config
+through a structural type and never import it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from app.config.checks import check_training_fields
+from app.config.errors import ConfigError
 from app.config.files import load_yaml, read_utf8
 from app.config.sections import (
     CheckpointConfig,
@@ -29,6 +32,7 @@ from app.config.sections import (
     GSPOConfig,
     PPOConfig,
     RewardConfig,
+    RolloutConfig,
     SamplingConfig,
     TrackingConfig,
 )
@@ -40,21 +44,6 @@ MAX_PLAN_SECONDS = 3600.0  # a search budget beyond an hour is a typo (1e9 ran u
 MAX_TIMEOUT_S = 86400.0
 
 
-class ConfigError(ValueError):
-    """A config value that is not allowed. `field` is the dotted path, e.g. `batch.gen_len`."""
-
-    def __init__(self, field: str, value: Any, allowed: str, problem: str = "not allowed") -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"{field}={_show(value)}: {problem}; allowed: {allowed}")
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 # ---- schema --------------------------------------------------------------------------------------
 
 
@@ -64,10 +53,34 @@ class _Section(BaseModel):
 
 
 class ModelSource(_Section):
-    """Where a model's shapes come from: a named preset or an HF checkpoint directory."""
+    """Where a model's shapes come from: a named preset or an HF checkpoint directory, and the
+    tokenizer it reads.
+
+    tokenizer: 'toy' or an HF directory with tokenizer files; null: the tokenizer files of `path`
+    (a preset, or a directory without them, has none of its own: it reads the actor's ids only
+    when its vocabulary is the actor's). Every model that reads the actor's token ids is checked
+    against the actor's tokenizer before Ray starts (app.run.tokenizer_check); a reward model with
+    another tokenizer reads the decoded text instead, rendered with its chat template
+    (chat_template: true, false, or null = when its tokenizer has one) and cut to its last
+    max_length tokens (null: the model's max positions). chat_template and max_length are
+    models.reward's only.
+    """
 
     preset: str | None = None
     path: str | None = None
+    tokenizer: str | None = None
+    chat_template: bool | None = None
+    max_length: int | None = Field(None, ge=2)
+
+    @model_serializer(mode="wrap")
+    def _without_unset_tokenizer_fields(self, handler: Any) -> dict[str, Any]:
+        # Dumped as before these fields existed when they are unset: a checkpoint's config
+        # fingerprint (app.run.resume) and plan.json stay comparable with older runs.
+        out = handler(self)
+        for name in ("tokenizer", "chat_template", "max_length"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
     @field_validator("preset")
     @classmethod
@@ -204,6 +217,7 @@ class ExperimentConfig(_Section):
     run: RunConfig = RunConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
     sampling: SamplingConfig = SamplingConfig()
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
@@ -323,4 +337,10 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError("plan.manual", cfg.plan.manual, "placements for every call when plan.mode is 'manual'")
     if cfg.plan.profile is not None and not Path(cfg.plan.profile).is_file():
         raise ConfigError("plan.profile", cfg.plan.profile, "an existing profile JSON file (python -m app profile)")
+    for role in ("actor", "critic", "ref"):  # what only a reward model reading text uses
+        source = getattr(cfg.models, role)
+        for name in ("chat_template", "max_length"):
+            if source is not None and getattr(source, name) is not None:
+                raise ConfigError(f"models.{role}.{name}", getattr(source, name),
+                                  f"unset: only models.reward reads {name} (when its tokenizer is not the actor's)")
     check_training_fields(cfg)  # the algorithm sections: app.config.checks

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.config.experiment import ConfigError
+from app.config.experiment import ConfigError, ModelSource
 from planning.models import ModelSpec, param_specs
 
 SINGLE_FILE = "model.safetensors"
@@ -133,6 +133,22 @@ def check_tokenizer_dir(field: str, value: str) -> None:
         raise ConfigError(field, value, allowed, problem="no such directory")
 
 
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether `path` is a directory holding tokenizer files."""
+    directory = Path(path).expanduser()
+    return directory.is_dir() and any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def model_tokenizer(source: ModelSource) -> str | None:
+    """The tokenizer a model states: its `tokenizer` field, else its directory when that holds
+    tokenizer files, else None (a preset, or a directory of weights only)."""
+    if source.tokenizer is not None:
+        return source.tokenizer
+    if source.path is not None and has_tokenizer_files(source.path):
+        return source.path
+    return None
+
+
 def check_out_path(field: str, value: str) -> Path:
     """An output file path whose directory exists (and which is not itself a directory)."""
     path = Path(value)
@@ -145,6 +161,6 @@ def check_out_path(field: str, value: str) -> Path:
 
 
 __all__ = [
-    "check_model_dir", "check_out_path", "check_tokenizer_dir", "model_tensor_problems", "safetensors_header",
-    "weight_files",
+    "check_model_dir", "check_out_path", "check_tokenizer_dir", "has_tokenizer_files", "model_tensor_problems",
+    "model_tokenizer", "safetensors_header", "weight_files",
 ]

@@ -1,12 +1,19 @@
 """From an experiment config to the planner's inputs: the dataflow graph, the cluster, one
 model per role (`build_problem`), and the `plan.manual` section as an `ExecutionPlan`.
 
+With `rollout.env` set the generate calls are multi-turn (`multi_turn`: rollout.max_turns turns
+of batch.gen_len sampled and rollout.max_observation_tokens observed tokens, rollout.env_step_s
+per environment step) and every other call reads prompt_len + the response budget tokens. The
+environment itself is never imported here: planning needs only the numbers.
+
 Errors are `ConfigError`s naming the dotted field, like every other config error.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
@@ -17,6 +24,7 @@ from planning.dataflow import (
     OUTCOME_ALGORITHMS,
     BatchShape,
     Graph,
+    MultiTurn,
     dpo_graph,
     outcome_graph,
     ppo_graph,
@@ -37,17 +45,30 @@ FROZEN_BYTES_PER_PARAM = 2
 TRAINED_BYTES_PER_PARAM = 2 + 2 + OPTIMIZER_BYTES_PER_PARAM
 
 
+def multi_turn(cfg: ExperimentConfig) -> MultiTurn | None:
+    """The generate calls' multi-turn shape from the rollout section; None without rollout.env."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    return MultiTurn(turns=r.max_turns, obs_tokens=r.max_observation_tokens, env_step_s=r.env_step_s,
+                     response_tokens=r.response_budget(cfg.batch.gen_len))
+
+
 def algorithm_graph(cfg: ExperimentConfig) -> Graph:
     """The algorithm's full dataflow graph for the configured batch (before pruning)."""
     b = cfg.batch
     shape = BatchShape(b.prompts, b.prompt_len, b.gen_len)
+    turns = multi_turn(cfg)
     if cfg.algorithm == "ppo":
-        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs)
+        return ppo_graph(shape, b.ppo_minibatches, b.ppo_epochs, cfg.ppo.recompute_logprobs, multi_turn=turns)
     if cfg.algorithm in OUTCOME_ALGORITHMS:
-        return outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, generation_rounds(cfg))
+        return outcome_graph(cfg.algorithm, shape, samples_per_prompt(cfg), b.ppo_minibatches, generation_rounds(cfg),
+                             multi_turn=turns)
     if cfg.algorithm == "dpo":
+        if turns is not None:
+            raise ConfigError("rollout.env", cfg.rollout.env, "null for dpo, which generates nothing")
         return dpo_graph(shape)
-    return remax_graph(shape)
+    return remax_graph(shape, multi_turn=turns)
 
 
 def build_graph(cfg: ExperimentConfig) -> Graph:
@@ -119,8 +140,14 @@ def model_spec(field: str, source: ModelSource) -> ModelSpec:
                           f"an HF model directory with a LLaMA-family config.json ({exc})") from None
 
 
-def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
-    """Graph + cluster + one model per role the graph uses. Raises ConfigError on a bad config."""
+def build_problem(cfg: ExperimentConfig, reward_token_ratio: float | None = None,
+                  reward_extra_tokens: int = 0) -> PlanningProblem:
+    """Graph + cluster + one model per role the graph uses. Raises ConfigError on a bad config.
+
+    reward_token_ratio / reward_extra_tokens: a reward model with another tokenizer than the
+    actor's reads the text re-tokenized (app.run.tokenizer_check): its calls are priced at this
+    many of its tokens per actor token plus the tokens its rendering adds to every sequence, cut
+    to its maximum length (`reward_batch`); None (one tokenizer): as the batch says."""
     graph = build_graph(cfg)
     cluster = build_cluster(cfg)
     sources = role_sources(cfg)
@@ -130,15 +157,62 @@ def build_problem(cfg: ExperimentConfig) -> PlanningProblem:
             raise ConfigError(f"models.{role}", None, f"a model for the {role} role, which {cfg.algorithm} uses")
         field, source = sources[role]
         spec = model_spec(field, source)
-        seq_len = cfg.batch.prompt_len + cfg.batch.gen_len
-        if seq_len > spec.max_position_embeddings:
-            raise ConfigError("batch.gen_len", cfg.batch.gen_len,
-                              f"prompt_len + gen_len <= {spec.max_position_embeddings} (max positions of {field})")
+        if role == "reward" and reward_token_ratio is not None:
+            # It reads text cut to its maximum length, never the actor's sequences as they are.
+            limit = reward_max_length(source, spec)
+            graph = replace(graph, mfcs=tuple(
+                replace(m, batch=reward_batch(m.batch, reward_token_ratio, limit, reward_extra_tokens))
+                if m.role == "reward" else m
+                for m in graph.mfcs))
+        else:
+            check_positions(cfg, spec, field)
         models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
     problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg),
                               memory_margin=cfg.plan.memory_margin)
     check_cluster_memory(cfg, problem)
     return problem
+
+
+def reward_max_length(source: ModelSource, spec: ModelSpec) -> int:
+    """The longest sequence a reward model reading text is given: models.reward.max_length, at
+    most its max positions."""
+    limit = spec.max_position_embeddings
+    return min(source.max_length, limit) if source.max_length is not None else limit
+
+
+def reward_batch(batch: BatchShape, ratio: float, max_length: int, extra: int = 0) -> BatchShape:
+    """The shape of a reward call that reads the actor's prompt + response re-tokenized: each
+    part `ratio` times as many tokens (rounded up), the prompt `extra` more (a chat template's
+    own tokens), both scaled down together to `max_length` (the worker keeps each sequence's last
+    max_length tokens)."""
+    if not (math.isfinite(ratio) and ratio > 0) or extra < 0:
+        raise ValueError(f"reward_token_ratio={ratio}, extra tokens {extra}: must be a finite number > 0 and >= 0")
+    prompt, gen = math.ceil(batch.prompt_len * ratio) + extra, math.ceil(batch.gen_len * ratio)
+    if prompt + gen > max_length:
+        prompt = prompt * max_length // (prompt + gen)
+        gen = max_length - prompt
+    return BatchShape(batch.n_seqs, prompt, gen)
+
+
+def check_positions(cfg: ExperimentConfig, spec: ModelSpec, field: str) -> None:
+    """The longest sequence must fit the model's positions: prompt_len + gen_len, or with
+    rollout.env prompt_len + the response budget (`RolloutConfig.response_budget`)."""
+    b, r = cfg.batch, cfg.rollout
+    limit = spec.max_position_embeddings
+    if r.env is None:
+        if b.prompt_len + b.gen_len > limit:
+            raise ConfigError("batch.gen_len", b.gen_len, f"prompt_len + gen_len <= {limit} (max positions of {field})")
+        return
+    budget = r.response_budget(b.gen_len)
+    if b.prompt_len + budget <= limit:
+        return
+    if r.max_response_tokens is not None:
+        raise ConfigError("rollout.max_response_tokens", r.max_response_tokens,
+                          f"batch.prompt_len + rollout.max_response_tokens <= {limit} (max positions of {field})")
+    raise ConfigError("batch.gen_len", b.gen_len,
+                      f"batch.prompt_len + rollout.max_turns * (batch.gen_len + rollout.max_observation_tokens) = "
+                      f"{b.prompt_len + budget} <= {limit} (max positions of {field}), or a smaller "
+                      "rollout.max_response_tokens")
 
 
 def check_cluster_memory(cfg: ExperimentConfig, problem: PlanningProblem) -> None:

@@ -53,6 +53,44 @@ class RewardConfig(TrainSection):
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0)  # the longest one call of the function may take
 
 
+class RolloutConfig(TrainSection):
+    """Multi-turn rollouts: the actor acts, an environment answers, for up to max_turns turns.
+
+    env: the environment class, 'module:Class' or 'path/to/file.py:Class' (app.envs: `reset(sample)`
+    returns the first observation, `step(action_text)` returns (observation, reward, done, info));
+    null: single-turn generation scored by reward.function (the default). Each turn samples at
+    most batch.gen_len tokens; the observation's ids (the chat-template delta when
+    data.chat_template is on, else its plain tokens, at most max_observation_tokens: longer ones
+    are truncated and counted) are appended after them and masked out of every loss.
+    max_response_tokens: the whole trajectory after the prompt, sampled and observed tokens
+    together (null: max_turns * (batch.gen_len + max_observation_tokens)); a trajectory that
+    reaches it ends, counted. env_timeout_s: one reset or step taking longer ends that trajectory
+    (counted, reason kept), never the run; env_workers: threads per generation worker stepping
+    environments beside the decode loop. observation_role: the chat role of observations
+    ("user", or "tool" for tool results). reward_discount: per-step rewards summed as
+    sum_t discount^t r_t into the trajectory's outcome reward. env_step_s: the planner's guess of
+    one environment step's seconds before a run measures it (recalibration replaces it).
+    env_kwargs: keyword arguments for the environment's constructor.
+    """
+
+    env: str | None = None
+    env_kwargs: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    max_turns: int = Field(4, ge=1, le=1024)
+    max_observation_tokens: int = Field(64, ge=1)
+    max_response_tokens: int | None = Field(None, ge=2)
+    env_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    env_workers: int = Field(8, ge=1, le=1024)
+    observation_role: Literal["user", "tool"] = "user"
+    reward_discount: float = Field(1.0, ge=0.0, le=1.0)
+    env_step_s: float = Field(0.01, ge=0.0)
+
+    def response_budget(self, gen_len: int) -> int:
+        """Tokens a trajectory may hold after its prompt (sampled and observed together)."""
+        if self.max_response_tokens is not None:
+            return self.max_response_tokens
+        return self.max_turns * (gen_len + self.max_observation_tokens)
+
+
 class SamplingConfig(TrainSection):
     """How the actor samples during generation (gen length is batch.gen_len). temperature 0 = greedy.
 
@@ -179,5 +217,5 @@ class CheckpointConfig(TrainSection):
 
 __all__ = [
     "CheckpointConfig", "DAPOConfig", "DPOConfig", "DataConfig", "GSPOConfig", "KL_CONTROLLERS", "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS", "PPOConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
+    "LOSS_AGGREGATIONS", "PPOConfig", "RewardConfig", "RolloutConfig", "SamplingConfig", "TrackingConfig", "TrainSection",
 ]

@@ -5,6 +5,8 @@ May import planning and app.config (no torch at import time). In dependency orde
   datasets  JSONL/Parquet prompt files and DPO preference pairs, tokenisation, the batch iterator
   gsm8k     GSM8K-format math problems (question, answer ending `#### N`) turned into prompt files
   rewards   rule-based reward functions named by a `module:function` string
+  tokenizers  tokenizer fingerprints (which models may exchange ids) and the text bridge of a
+            reward model with another tokenizer than the actor's
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from app.data.datasets import (
 )
 from app.data.gsm8k import GSM8K_INSTRUCTION, final_answer, prepare_gsm8k
 from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
+from app.data.tokenizers import REWARD_TEXT, RewardText, TokenizerInfo, load_tokenizer_object, tokenizer_info
 from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
 
 __all__ = [
@@ -35,4 +38,6 @@ __all__ = [
     "GSM8K_INSTRUCTION", "final_answer", "prepare_gsm8k",
     # rewards.py
     "RewardLoadError", "load_reward_fn", "math_exact_match",
+    # tokenizers.py
+    "REWARD_TEXT", "RewardText", "TokenizerInfo", "load_tokenizer_object", "tokenizer_info",
 ]

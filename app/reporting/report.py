@@ -1,9 +1,11 @@
 """What the planner reports to people: the per-call plan table, its JSON form and Gantt charts.
 
 `plan_report` collects, for a chosen plan, each call's placement, how it runs (micro-batch token
-budget and count, or generation rounds) and its estimated time and memory into a frozen `PlanReport`; `format_plan_table` and `plan_json` render it for the terminal and
-for machines. `draw_gantt` draws any list of `GanttBar`s (one row per GPU), so the same function
-draws the simulator's estimated timeline (`simulated_bars`) and, later, measured timelines.
+budget and count, or generation rounds; a multi-turn generation's turns and environment
+seconds) and its estimated time and memory into a frozen `PlanReport`; `format_plan_table` and
+`plan_json` render it for the terminal and for machines. `draw_gantt` draws any list of
+`GanttBar`s (one row per GPU), so the same function draws the simulator's estimated timeline
+(`simulated_bars`) and, later, measured timelines.
 """
 
 from __future__ import annotations
@@ -41,15 +43,28 @@ class CallRow:
     micro_batches: int | None = None  # ... and how many per dp replica (and minibatch) at full length
     gen_rounds: int | None = None  # generate: rounds per dp replica
     est_peak_gib: float = math.nan  # the fullest GPU of the mesh while the call runs (resident + call)
+    turns: float | None = None  # multi-turn generate: turns per trajectory the estimate charges
+    env_step_s: float | None = None  # ... seconds of one environment step
+    env_wait_s: float | None = None  # ... the call's seconds waiting on environments (all rounds and runs)
 
     @property
     def runs_as(self) -> str:
-        """'4 x 16384 tok', '2 rounds' or '' (for tables)."""
+        """'4 x 16384 tok', '2 rounds', '1 round, 4 turns, env 80.0 ms' or '' (for tables)."""
         if self.gen_rounds is not None:
-            return f"{self.gen_rounds} round{'s' if self.gen_rounds > 1 else ''}"
+            rounds = f"{self.gen_rounds} round{'s' if self.gen_rounds > 1 else ''}"
+            return rounds + self.turns_note
         if self.micro_batch_tokens is not None:
             return f"{self.micro_batches or '?'} x {self.micro_batch_tokens} tok"
-        return ""
+        return self.turns_note.lstrip(", ")
+
+    @property
+    def turns_note(self) -> str:
+        """', 4 turns, env 80.0 ms' for a multi-turn generate call (env: its environment wait); ''."""
+        if self.turns is None:
+            return ""
+        turns = f"{self.turns:g}" if float(self.turns).is_integer() else f"{self.turns:.2f}"
+        env = "" if self.env_wait_s is None else f", env {_seconds(self.env_wait_s)}"
+        return f", {turns} turn{'' if self.turns == 1 else 's'}{env}"
 
 
 @dataclass(frozen=True)
@@ -120,11 +135,15 @@ def plan_report(
         cost = call_cost(problem, mfc, placement, execution=execution)
         layout = placement.layout
         micro = cost.breakdown.get("micro_batches")
+        turns = mfc.multi_turn
+        env_wait = cost.breakdown.get("env_wait_s")
         rows.append(CallRow(mfc.name, mfc.role, mfc.kind, str(placement.mesh), layout.dp, layout.tp, layout.pp,
                             cost.time_s, cost.mem_bytes / GiB, cost.feasible, cost.reason,
                             execution.micro_batch_tokens if execution else None, int(micro) if micro else None,
                             execution.gen_rounds if execution else None,
-                            sim.call_mem_bytes.get(mfc.name, math.nan) / GiB))
+                            sim.call_mem_bytes.get(mfc.name, math.nan) / GiB,
+                            turns.turns if turns else None, turns.env_step_s if turns else None,
+                            env_wait * mfc.expected_runs if turns and env_wait is not None else None))
     c = problem.cluster
     return PlanReport(
         algorithm=problem.graph.algorithm,
@@ -189,7 +208,8 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
              "layout": f"dp{r.dp}tp{r.tp}pp{r.pp}", "micro_batch_tokens": r.micro_batch_tokens,
              "micro_batches": r.micro_batches, "gen_rounds": r.gen_rounds, "est_time_s": _json_number(r.est_time_s),
              "est_mem_gib": _json_number(r.est_mem_gib), "est_peak_gib": _json_number(r.est_peak_gib),
-             "feasible": r.feasible}
+             "feasible": r.feasible, "turns": r.turns, "env_step_s": r.env_step_s,
+             "env_wait_s": None if r.env_wait_s is None else _json_number(r.env_wait_s)}
             for r in report.calls
         ],
         "est_iteration_s": _json_number(report.est_iteration_s),

@@ -183,7 +183,8 @@ def realloc_metrics(metas: Sequence[Any]) -> dict[str, float]:
 
 
 def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str, str]) -> dict[str, float]:
-    """veRL-named scalars averaged over the ranks reporting them; rewards and response lengths
+    """veRL-named scalars averaged over the ranks reporting them (those a data owner lists under
+    `summed`, counters such as env/errors, added up instead); rewards and response lengths
     from the owners' metadata where no call reported `rollout/reward_mean` and
     `rollout/response_length_mean` itself.
 
@@ -192,9 +193,13 @@ def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str
     rewards: list[float] = []
     lengths: list[float] = []
     scalars: dict[str, list[float]] = defaultdict(list)
+    summed: dict[str, float] = defaultdict(float)
     for name, metas in call_metas.items():
         for meta in metas:
             owner = bool(meta.get("owner", True))
+            if owner:  # counters of the data owners (e.g. env/errors per dp rank) add up
+                for key, value in meta.get("summed", {}).items():
+                    summed[key] += float(value)
             if owner and kinds.get(name) == "generate":
                 lengths.extend(float(x) for x in meta.get("response_lengths", []))
             if owner and "rewards" in meta and kinds.get(name) == "inference":
@@ -203,6 +208,7 @@ def rollout_metrics(call_metas: dict[str, list[dict[str, Any]]], kinds: dict[str
                 if "/" in key and isinstance(value, (int, float)) and not isinstance(value, bool):
                     scalars[key].append(float(value))
     metrics = {key: sum(values) / len(values) for key, values in scalars.items()}
+    metrics.update(summed)
     # The train call's own figures (whole batch, sampled responses only) win over these.
     if rewards:
         metrics.setdefault("rollout/reward_mean", sum(rewards) / len(rewards))

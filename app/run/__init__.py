@@ -8,7 +8,8 @@ imports torch and ray, so the CLI imports it inside the commands that run. In de
   resume      the run-directory rules, the driver's state in a checkpoint, restoring a run
   recovery    which failures a restart gets past, stall reports naming the rank, restart logs
   cluster_check  the configured nodes x GPUs against the live Ray cluster (the planner's nodes)
-  runtime     checks before any worker starts, then Ray, the plan search, workers and models
+  tokenizer_check  every model reading the actor's ids against its tokenizer; the reward model's text path
+  runtime     checks before any worker starts, the plan (before Ray), then Ray, workers and models
   failures    a lost Ray node named with the calls in flight on it
   staleness   bounded staleness: the stages the driver submits next, rollout/staleness
   dynamic_sampling  DAPO's rounds: groups with distinct rewards kept, the select call

@@ -8,7 +8,9 @@
 * a failure: the errors that arrive within FAILURE_SETTLE_S are compared, and the one reported
   is a dead worker's first, then an exception raised by code (fatal: a restart would not help),
   then a broken collective (usually a peer of the worker that failed); it is named with the op
-  that worker was running (a dead actor fails its queued tasks in no set order);
+  that worker was running (a dead actor fails its queued tasks in no set order), or for an
+  exception raised by code with the earliest submitted op that raised it (its consumers fail
+  with the same exception: a rule reward that raised is named, not the train call after it);
 * a stall: no op finished for `timeout_s`; the ranks of the first stuck op are probed on their
   monitor threads and the one that stopped (not waiting in a collective) is named.
 """
@@ -115,7 +117,16 @@ def failure_of(workers: WorkerGroup, ops: Sequence[SubmittedOp], first: tuple[ra
 
     ref, error = min(failures, key=priority)
     sub, rank = where[ref]
-    sub = first_unfinished(rank, ops, sub)
+    if priority((ref, error)) == 1:
+        # An exception raised by code: its worker is alive and the op that raised it is the one to
+        # name. Its consumers fail with the same exception (a failed input), so among the ops that
+        # raised one, the earliest submitted is named: a rule reward, not the train call reading it.
+        order = {id(op): index for index, op in enumerate(ops)}
+        ref, error = min((f for f in failures if priority(f) == 1),
+                         key=lambda f: order.get(id(where[f[0]][0]), len(order)))
+        sub, rank = where[ref]
+    else:
+        sub = first_unfinished(rank, ops, sub)
     name = workers.slots[rank].name
     return WorkerFailure(f"{sub.describe()} failed on worker {name} (rank {rank}): {describe_error(error)}",
                          sub.describe(), name, is_recoverable(error))

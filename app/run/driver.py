@@ -87,10 +87,9 @@ from app.run.runtime import (
     load_models,
     plan_groups,
     preflight,
+    search_plan_now,
     setup_groups,
-    start_plan_search,
     start_workers,
-    wait_plan,
 )
 from app.run.schedule import (
     home_placements,
@@ -117,6 +116,8 @@ class Driver:
         resume_state = None if self.resume_from is None else read_run_state(self.resume_from)
         if resume_state is not None:
             check_fingerprint(resume_state, cfg, self.resume_from)  # the run it continues: before Ray too
+        # The plan before Ray and before the run directory: a config without one fails in a second.
+        self.search = search_plan_now(self.inputs)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.problem = self.inputs.problem
         self.graph = self.problem.graph
@@ -148,12 +149,10 @@ class Driver:
             worker_cls = ModelWorker
         self._worker_cls = worker_cls
         cfg = self.cfg
-        self._info = connect_cluster(cfg)
-        pending = start_plan_search(self.inputs)  # a search runs while the workers start
-        self._start_workers()
-        self.search = wait_plan(cfg, pending)
         self.plan = self.search.plan
-        check_headroom(self.problem, self.plan)  # ConfigError before any call
+        check_headroom(self.problem, self.plan)  # ConfigError before Ray too
+        self._info = connect_cluster(cfg)
+        self._start_workers()
         self.estimates = call_estimates(self.problem, self.plan)
         self.replanner = Replanner(cfg, self.problem, self.plan, self.search.est_iteration_s)
         self._write_plan()
@@ -295,7 +294,7 @@ class Driver:
         append_records(self.run_dir / "timeline.jsonl", records)
         self.records += records
         n_seqs = sequences_per_iteration(self.graph)
-        metrics.update(self._replan(pending.iteration, records))
+        metrics.update(self._replan(pending.iteration, records, got.call_metas))
         metrics.update(pending.extra_metrics)  # dynamic sampling's (the reward of every generated response)
         assert self.dispatch is not None
         metrics.update(staleness_metrics(pending.iteration, self.graph.max_staleness, self.dispatch.start))
@@ -343,12 +342,15 @@ class Driver:
         return self.dispatch.next_iteration if self.dispatch is not None else 0
 
     # ---- re-planning -----------------------------------------------------------------------------
-    def _replan(self, iteration: int, records: list[TimelineRecord]) -> dict[str, float]:
-        """Feed the re-planner; on a decision adopt the calibrated model (and schedule a switch)."""
+    def _replan(self, iteration: int, records: list[TimelineRecord],
+                call_metas: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+        """Feed the re-planner (call times, and a multi-turn generation's measured environment step
+        time and turns from the calls' metadata); on a decision adopt the calibrated model (and
+        schedule a switch)."""
         assert self.replanner is not None
         metrics, decision = self.replanner.collect(iteration, records, self.run_dir,
                                                    self._submitted() < self.total_iterations,
-                                                   last=iteration + 1 >= self.total_iterations)
+                                                   last=iteration + 1 >= self.total_iterations, call_metas=call_metas)
         if decision is not None:
             self.problem = decision.problem
             self.estimates = call_estimates(self.problem, self.plan)

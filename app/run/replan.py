@@ -6,7 +6,9 @@ memory scale from its peak bytes), then searches again, starting from the plan b
 in a `PlannerService` actor while the next iteration runs (the decision is taken when that
 iteration is collected). It compares the new plan with the current one under the same
 calibrated model: the run switches when the new one is estimated at least `plan.switch_gain`
-faster (a fraction), and keeps its plan otherwise.
+faster (a fraction), and keeps its plan otherwise. A multi-turn generate call's metadata
+(`MEASURED_ROLLOUT_KEYS`: mean seconds per environment step, mean turns per trajectory) goes into
+the calibration too: the re-plan prices the environment as measured, not as configured.
 Either way the decision (both estimates, the calibration and the reason) goes into the history
 (`plan.json`, `plan_history.jsonl`, `plan/*` metrics), and later estimates use the calibrated model.
 
@@ -23,7 +25,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,10 @@ from planning.realloc_plan import plan_reallocation
 from planning.simulate import simulate
 
 HISTORY_FILE = "plan_history.jsonl"
+# CallMeasurement field -> the per-rank metadata keys of a multi-turn generate call that carry it,
+# first found wins: the planner's names, then the env/* metrics the generation worker reports.
+MEASURED_ROLLOUT_KEYS = {"env_step_s": ("env_step_s_mean", "env/step_s_mean"),
+                         "turns": ("turns_mean", "env/turns_mean")}
 SEARCH_GRACE_S = 120.0  # beyond plan.seconds: starting the planner actor, candidates, re-scoring
 
 
@@ -101,15 +107,21 @@ class Replanner:
         self.history: list[dict[str, Any]] = []
         self._seconds: dict[str, list[float]] = defaultdict(list)
         self._peaks: dict[str, list[float]] = defaultdict(list)
+        self._rollout: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self._iterations: list[int] = []
         self._search: tuple[Any, ray.ObjectRef, Calibration, PlanningProblem] | None = None
         self._done = False
 
-    def observe(self, iteration: int, records: Sequence[TimelineRecord]) -> None:
+    def observe(self, iteration: int, records: Sequence[TimelineRecord],
+                call_metas: Mapping[str, Sequence[Any]] | None = None) -> None:
         """One collected iteration's records: per call its seconds (first start to last end over
-        its ranks) and its largest peak allocated bytes."""
+        its ranks) and its largest peak allocated bytes; from `call_metas` (call -> its ranks'
+        metadata) a multi-turn generate call's environment step time and turns."""
         if not self.enabled or self._done:
             return
+        for name, metas in (call_metas or {}).items():
+            for key, value in rollout_means(metas).items():
+                self._rollout[name][key].append(value)
         self._iterations.append(iteration)
         by_call: dict[str, list[TimelineRecord]] = defaultdict(list)
         for record in records:
@@ -127,7 +139,9 @@ class Replanner:
         carries warm-up: CUDA graphs, compilation) when there are several, and the largest peak."""
         skip = 1 if len(self._iterations) > 1 else 0
         return {name: CallMeasurement(statistics.median(seconds[skip:] or seconds),
-                                      max(self._peaks[name]) if self._peaks.get(name) else None)
+                                      max(self._peaks[name]) if self._peaks.get(name) else None,
+                                      **{key: statistics.median(values[skip:] or values)
+                                         for key, values in self._rollout.get(name, {}).items() if values})
                 for name, seconds in self._seconds.items()}
 
     def poll(self, iteration: int, last: bool = False) -> PlanDecision | None:
@@ -158,7 +172,7 @@ class Replanner:
         return self._decision(iteration, result.plan, problem, calibration, result.est_iteration_s, "")
 
     def _start_search(self) -> None:
-        calibration = calibrate(self.problem, self.plan, self.measured())
+        calibration = calibrate(self.problem, self.plan, self.measured(), max_turns=self.cfg.rollout.max_turns)
         problem = calibrated_problem(self.problem, calibration)
         p = self.cfg.plan
         planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()
@@ -173,12 +187,14 @@ class Replanner:
                             failure or reason)
 
     def collect(self, iteration: int, records: Sequence[TimelineRecord], run_dir: Path,
-                more_to_run: bool, last: bool = False) -> tuple[dict[str, float], PlanDecision | None]:
+                more_to_run: bool, last: bool = False, call_metas: Mapping[str, Sequence[Any]] | None = None,
+                ) -> tuple[dict[str, float], PlanDecision | None]:
         """One collected iteration: observe it, and when a decision arrives record it (history,
         plan_history.jsonl, one console line) and return it with its plan/* metrics. The decision's
         plan is None unless the run switches (a switch with no iteration left to submit, `more_to_run`
-        false, is not made); `last` is the run's final iteration (no search starts after it)."""
-        self.observe(iteration, records)
+        false, is not made); `last` is the run's final iteration (no search starts after it);
+        `call_metas`: the iteration's per-call rank metadata (`CollectedIteration.call_metas`)."""
+        self.observe(iteration, records, call_metas)
         decision = self.poll(iteration, last)
         if decision is None:
             return {}, None
@@ -202,6 +218,25 @@ class Replanner:
         if self._search is not None and not self._done:
             ray.kill(self._search[0])
         self._done = True
+
+
+def rollout_means(metas: Sequence[Any]) -> dict[str, float]:
+    """CallMeasurement fields (env_step_s, turns) of one call from its ranks' metadata: each
+    MEASURED_ROLLOUT_KEYS value averaged over the data-owner ranks reporting it, weighted by their
+    rows (`n`; 1 when absent); ranks not owning data (`owner` false) repeat their owner's figures."""
+    out = {}
+    for measurement, keys in MEASURED_ROLLOUT_KEYS.items():
+        total = weight = 0.0
+        for meta in metas:
+            if not isinstance(meta, dict) or not meta.get("owner", True):
+                continue
+            value = next((meta[k] for k in keys if k in meta), None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                rows = float(meta.get("n", 1) or 1)
+                total, weight = total + rows * float(value), weight + rows
+        if weight > 0:
+            out[measurement] = total / weight
+    return out
 
 
 def judge(current: ExecutionPlan, current_est_s: float, new: ExecutionPlan | None, new_est_s: float,
@@ -269,4 +304,5 @@ def _gib(x: float | None) -> float | None:
     return None if x is None else round(x / GiB, 3)
 
 
-__all__ = ["HISTORY_FILE", "PlanDecision", "Replanner", "apply_switch", "judge", "switch_groups", "switch_moves"]
+__all__ = ["HISTORY_FILE", "MEASURED_ROLLOUT_KEYS", "PlanDecision", "Replanner", "apply_switch", "judge",
+           "rollout_means", "switch_groups", "switch_moves"]

@@ -3,15 +3,16 @@
 `preflight(cfg)` needs no Ray: it builds the planning problem (cluster too small for the models
 fails here), resolves the reward function, reads and tokenises the dataset (a row without the
 prompt field fails naming the file and line; for DPO, preference pairs with prompt, chosen and
-rejected fields), checks there are enough prompts (pairs) for a batch and that every model
-directory holds weights matching its config (app.config.preflight).
+rejected fields), checks there are enough prompts (pairs) for a batch, that every model
+directory holds weights matching its config (app.config.preflight) and that every model reading
+the actor's token ids shares its tokenizer, or for a reward model reads the text through its own
+(app.run.tokenizer_check).
 Every failure is one `ConfigError`.
 
 The rest runs in this order on the driver (see app.run.driver):
+`search_plan_now` (the plan, before Ray: a config without a feasible plan fails here),
 `connect_cluster` (local Ray with virtual GPUs, or `RAY_ADDRESS`; picks the planner's nodes of
-the Ray cluster or names what it lacks, app.run.cluster_check), `start_plan_search` (a search
-runs in a `PlannerService` actor while the workers start; a manual or heuristic plan is priced
-in the driver at once), `start_workers` + `init_world` (one
+the Ray cluster or names what it lacks, app.run.cluster_check), `start_workers` + `init_world` (one
 `ModelWorker` per GPU, torch.distributed rendezvous with a timeout), `setup_groups` (every
 process group the plan will use: each placement's layout groups and each reallocation's
 broadcast groups, created once, in one order, on every rank) and `load_models` (trained roles
@@ -22,14 +23,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.worker import CONCURRENCY_GROUPS
-from app.algorithms import RUNTIME_ALGORITHMS, AlgorithmSettings, settings_from_config, toy_preference_records
+from app.algorithms import (
+    MULTI_TURN_ALGORITHMS,
+    RUNTIME_ALGORITHMS,
+    AlgorithmSettings,
+    settings_from_config,
+    toy_preference_records,
+)
 from app.config import (
     ConfigError,
     ExperimentConfig,
@@ -53,6 +60,7 @@ from app.data import (
 )
 from app.run.cluster_check import check_local_start, planner_nodes
 from app.run.schedule import home_placements, realloc_member_sets
+from app.run.tokenizer_check import check_tokenizers
 from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
 from cluster.resources import RayClusterInfo, RayStartOptions, connect
@@ -64,7 +72,6 @@ from planning.realloc_plan import plan_reallocation
 from planning.search import SearchResult
 
 TOY_TOKENIZER = "app.data.toy_task:CharTokenizer"
-PLAN_GRACE_S = 120.0  # the planner actor gets the search budget plus this before the driver gives up
 
 
 @dataclass(frozen=True)
@@ -101,23 +108,31 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
                           problem="not supported by train yet")
     problem = build_problem(cfg)  # cluster too small for the models: ConfigError("cluster", ...)
     manual = manual_plan(cfg, problem)
-    dpo = cfg.algorithm == "dpo"
-    reward_fn = None if dpo else _check_reward(cfg)  # DPO has no reward call
+    dpo, multi_turn = cfg.algorithm == "dpo", cfg.rollout.env is not None
     tokenizer = _load_tokenizer(cfg)
+    if multi_turn:  # the environments score the trajectories: no reward function, no reward model
+        cfg = _check_env(cfg, tokenizer)
+    reward_fn = None if dpo or multi_turn else _check_reward(cfg)  # DPO has no reward call
     examples = _load_preferences(cfg, tokenizer) if dpo else _load_dataset(cfg, tokenizer, needs_answer=False)
     tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     try:
         # Workers decode responses only for a rule-based reward (a reward model reads token ids),
         # so a data tokenizer smaller than the model's vocabulary (the toy one) stays usable.
-        settings = settings_from_config(cfg, tokenizer_spec if reward_fn else None, reward_fn, eos, pad)
+        settings = settings_from_config(cfg, tokenizer_spec if reward_fn or multi_turn else None, reward_fn, eos, pad)
     except ValueError as exc:  # the message names the field (e.g. ppo.kl_estimator)
         raise ConfigError("config", cfg.algorithm, "values the algorithm accepts", problem=str(exc)) from None
-    models = role_models(cfg, problem, reward_fn is not None)
+    models = role_models(cfg, problem, reward_fn is not None or multi_turn)
     sources = role_sources(cfg)
     for role, model in models.items():  # weights present, headers readable, names and shapes as configured
         if model.hf_dir is not None:
             check_model_dir(f"{sources[role][0]}.path", model.hf_dir, model.spec, model.critic)
+    # Every model reading the actor's ids against its tokenizer; a reward model with another one reads text.
+    reward_text = check_tokenizers(cfg, {role: m.spec for role, m in models.items()}, tokenizer_spec, examples, eos)
+    if reward_text is not None:  # priced at its own token counts, run through the text bridge
+        problem = build_problem(cfg, reward_text.ratio, reward_text.extra_tokens)
+        manual = manual_plan(cfg, problem)
+        settings = replace(settings, rollout=replace(settings.rollout, reward_text=reward_text.params))
     return TrainInputs(
         cfg=cfg, problem=problem, manual=manual, models=models,
         examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,
@@ -148,6 +163,31 @@ def _check_reward(cfg: ExperimentConfig) -> str | None:
         raise ConfigError("reward.function", cfg.reward.function,
                           "'module:function' or 'path/to/file.py:function' naming a callable, "
                           "e.g. app.data.rewards:toy_reward", problem=str(exc)) from None
+
+
+def _check_env(cfg: ExperimentConfig, tokenizer: Any) -> ExperimentConfig:
+    """Multi-turn rollouts: an algorithm that has them, an environment that loads and constructs
+    with rollout.env_kwargs, and a chat template that keeps earlier turns as they were. Returns the
+    config with the environment named as the workers load it (a file path made absolute)."""
+    from app.envs import EnvLoadError, check_env, check_prefix_preserving
+
+    r = cfg.rollout
+    if cfg.algorithm not in MULTI_TURN_ALGORITHMS:
+        raise ConfigError("rollout.env", r.env, f"null with algorithm {cfg.algorithm!r}; multi-turn rollouts run "
+                          f"with {', '.join(MULTI_TURN_ALGORITHMS)}", problem="not supported by this algorithm")
+    try:
+        factory = check_env(str(r.env), dict(r.env_kwargs))
+    except EnvLoadError as exc:
+        raise ConfigError("rollout.env", r.env, "'module:Class' or 'path/to/file.py:Class' naming a class with "
+                          "reset(sample) and step(action_text), constructible with rollout.env_kwargs",
+                          problem=str(exc)) from None
+    if cfg.data.chat_template:
+        try:
+            check_prefix_preserving(tokenizer, r.observation_role)
+        except ValueError as exc:
+            raise ConfigError("data.chat_template", True, "a chat template that renders earlier turns unchanged when "
+                              "a turn is added (or data.chat_template: false)", problem=str(exc)) from None
+    return cfg.model_copy(update={"rollout": r.model_copy(update={"env": factory.spec})})
 
 
 def _load_tokenizer(cfg: ExperimentConfig) -> Any:
@@ -221,46 +261,17 @@ def join_virtual_cluster(virtual: bool) -> None:
         ray.init(address=address)
 
 
-# Plan modes that only price a plan (the one given, or the symmetric one): milliseconds, so they
-# run in the driver; a search gets its own process (a PlannerService actor).
-PRICING_MODES = ("manual", "heuristic")
-
-
-@dataclass(frozen=True)
-class PendingPlan:
-    """A plan being searched by `planner` (its result behind `ref`), or already `result`."""
-
-    planner: Any | None = None
-    ref: ray.ObjectRef | None = None
-    result: SearchResult | None = None
-
-
-def start_plan_search(inputs: TrainInputs) -> PendingPlan:
-    """Submit the plan search to a `PlannerService` actor (no CPU reserved: it must not hold
-    back the workers), which `wait_plan` waits for; a pricing mode runs here at once, so a
-    manual plan that cannot run fails before any worker starts."""
+def search_plan_now(inputs: TrainInputs) -> SearchResult:
+    """The run's plan, searched (or priced, for manual and heuristic modes) in this process before
+    Ray starts: the plan needs nothing from the cluster but its shape, which the config gives, so
+    a config without a feasible plan fails in about a second with the planner's reason (the call
+    that does not fit), not after Ray and the workers have started. A space of a few thousand
+    plans or less (one GPU: one plan) is enumerated at once instead of spending plan.seconds."""
     p = inputs.cfg.plan
-    if p.mode in PRICING_MODES:
-        try:
-            return PendingPlan(result=PlannerService().search(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual))
-        except ValueError as exc:
-            raise search_error(inputs.cfg, exc) from None
-    planner = ray.remote(num_cpus=0, num_gpus=0)(PlannerService).remote()
-    return PendingPlan(planner, planner.search.remote(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual))
-
-
-def wait_plan(cfg: ExperimentConfig, pending: PendingPlan) -> SearchResult:
-    """The search result, then the planner actor is stopped. A search that finds no plan is a
-    ConfigError naming the plan or the cluster."""
-    if pending.result is not None:
-        return pending.result
     try:
-        return ray.get(pending.ref, timeout=cfg.plan.seconds + PLAN_GRACE_S)
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if isinstance(exc.cause, ValueError) else ValueError(str(exc))
-        raise search_error(cfg, cause) from None
-    finally:
-        ray.kill(pending.planner)
+        return PlannerService().search(inputs.problem, p.mode, p.seconds, p.seed, inputs.manual)
+    except ValueError as exc:
+        raise search_error(inputs.cfg, exc) from None
 
 
 def start_workers(info: RayClusterInfo, inputs: TrainInputs, worker_cls: type) -> WorkerGroup:
@@ -339,7 +350,6 @@ def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "PRICING_MODES", "PendingPlan", "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world",
-    "load_models", "optimizer_params", "plan_groups", "preflight", "role_models", "setup_groups", "start_plan_search",
-    "start_workers", "wait_plan",
+    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models", "optimizer_params",
+    "plan_groups", "preflight", "role_models", "search_plan_now", "setup_groups", "start_workers",
 ]

@@ -23,7 +23,8 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "fidelity.json").read_text())
+    run = tmp_path / "run-001"  # each run of the script writes a run-NNN of its own under --out
+    results = json.loads((run / "fidelity.json").read_text())
     assert [r["shape"]["name"] for r in results] == ["tiny-why-grpo", "tiny-ppo"]
     for result in results:
         assert result["iterations"] == 3 and not result["error"] and not result["oom"]
@@ -38,7 +39,8 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
     for result in results:
         for row in result["calls"]:
             row["measured_peak_gib"] = row["est_peak_gib"]
-    (tmp_path / "fidelity.json").write_text(json.dumps(results))
+    (run / "fidelity.json").write_text(json.dumps(results))
+    # Given the --out folder, it re-prices the newest run.
     repriced = subprocess.run([sys.executable, "benchmarks/reprice_fidelity.py", str(tmp_path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300, check=False)
     assert repriced.returncode == 0, repriced.stderr[-3000:]

@@ -1,5 +1,6 @@
 """benchmarks/peer_bench.py in its CPU mode (--tiny): both systems get the same prompt ids, and
-one call measures our GRPO (and TRL's GRPOTrainer where `trl` imports) and prints the table."""
+one call measures our GRPO (and TRL's GRPOTrainer where `trl` imports) and prints the table; a
+second call with the same --out trains again in a run directory of its own."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
 def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_path: Path,  # noqa: F811
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--tiny", "--out", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "peer_bench.json").read_text())
+    summary = json.loads((tmp_path / "run-001" / "peer_bench.json").read_text())
     by_name = {r["name"].split()[0]: r for r in summary["results"]}
     ours = by_name["realray"]
     assert ours["error"] is None and len(ours["step_s"]) == 1 and ours["step_s"][0] > 0
@@ -50,3 +51,17 @@ def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_
     assert trl["error"] is None and len(trl["step_s"]) == 1 and trl["tokens"][0] > 0
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     assert f"{ratio:,.2f}x" in table
+
+
+@pytest.mark.ray
+def test_tiny_mode_runs_twice_with_the_same_out(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    # Once `run.dir ... already holds a run`: the second call met the first one's training directory.
+    for _ in range(2):
+        assert main(["--tiny", "--out", str(tmp_path), "--skip-trl"]) == 0
+    first, second = (json.loads((tmp_path / run / "peer_bench.json").read_text()) for run in ("run-001", "run-002"))
+    for summary in (first, second):
+        (ours,) = summary["results"]
+        assert ours["error"] is None and len(ours["step_s"]) == 1
+    assert (tmp_path / "run-001" / "realray-run" / "metrics.jsonl").is_file()
+    assert (tmp_path / "run-002" / "realray-run" / "metrics.jsonl").is_file()
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-002").resolve()

@@ -57,7 +57,7 @@ def test_every_example_loads_and_builds_a_problem() -> None:
         # An example of a downloaded model (its shapes come from its config.json) is built with the
         # preset of the same shapes: Qwen2.5-0.5B-Instruct is qwen2.5-0.5b.
         overrides = (["models.actor.path=null", "models.actor.preset=qwen2.5-0.5b"]
-                     if path.stem == "grpo-qwen2.5-0.5b-gsm8k" else [])
+                     if path.stem.endswith("qwen2.5-0.5b-gsm8k") else [])
         cfg = load_config(path, overrides)
         problem = build_problem(cfg)
         assert problem.graph.algorithm == cfg.algorithm

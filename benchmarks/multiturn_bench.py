@@ -1,0 +1,199 @@
+"""Multi-turn generation against single-turn generation of the same sampled tokens (issue 24).
+
+    python benchmarks/multiturn_bench.py              # one H200: Llama-3.2-1B shape, bf16, CUDA graphs
+    python benchmarks/multiturn_bench.py --tiny       # seconds on CPU (checks the script)
+
+The issue's target shape: 64 prompts x 8 trajectories, 4 turns of up to 128 sampled tokens (EOS
+ignored, so every turn samples exactly 128), 32-token observations from an environment that sleeps
+20 ms per step (app.envs.sessions.EnvSessions with the toy character tokenizer, so observations
+are 32 ids; a thread per trajectory). Beside it, single-turn generation (`generate`) of the same
+prompts sampling 4 x 128 = 512 tokens each: the same sampled tokens, no observations, no waits.
+
+Reported: seconds of each, their ratio (target <= 1.3), the decode loop's counters (decode steps,
+observation prefills) and the GPU idle gaps: the loop blocks in `poll` only while no trajectory is
+decoding, so the longest such wait is the longest gap with nothing for the GPU to do (target: no
+gap longer than one environment step plus the loop's own latency). Random weights; one warm-up
+call of each before the timed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from actors.generation import generate, generate_turns
+from actors.generation.decoding import GenerationConfig
+from actors.generation.sampling import SamplingParams
+from app.data.toy_task import CharTokenizer
+from app.envs.sessions import EnvSessions
+from benchmarks.generate_bench import build_random_model
+from planning.layout import Layout
+from planning.models import model_preset
+
+H200_BANDWIDTH = 4.3e12
+
+
+class WideTokenizer(CharTokenizer):
+    """The toy character tokenizer, decoding any id of a large vocabulary (ids past 255 as "~"),
+    so random actions of a 128k-vocabulary model reach the environment as text."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return super().decode([int(t) if int(t) < 256 else ord("~") for t in ids], skip_special_tokens)
+
+
+class SleepyEnv:
+    """Sleeps `sleep_s` per step and answers `obs_chars` digits; never done (max_turns ends it)."""
+
+    def __init__(self, sleep_s: float = 0.02, obs_chars: int = 32) -> None:
+        self.sleep_s, self.obs_chars = float(sleep_s), int(obs_chars)
+
+    def reset(self, sample: dict) -> str:
+        return "x" * 8
+
+    def step(self, action_text: str) -> tuple[str, float, bool, dict]:
+        time.sleep(self.sleep_s)
+        return "7" * self.obs_chars, 0.0, False, {}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny model and shape (checks the script)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--obs-tokens", type=int, default=32)
+    parser.add_argument("--env-sleep-s", type=float, default=0.02)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-graph", action="store_true", help="eager decode steps")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument("--profile", action="store_true", help="after the timed calls, profile one multi-turn call "
+                        "and print its kernels by device time")
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompts, args.group, args.prompt_len, args.turn_tokens, args.obs_tokens = 4, 2, 8, 6, 4
+        args.repeats = 1
+    return args
+
+
+def sessions(args: argparse.Namespace, n: int, turns: int | None = None) -> EnvSessions:
+    """The call's environments: SleepyEnv through the real EnvSessions (threads, timeouts), reset."""
+    source = EnvSessions(
+        env=f"{Path(__file__).resolve()}:SleepyEnv", samples=[{"prompt": str(i)} for i in range(n)],
+        tokenizer=f"{Path(__file__).resolve()}:WideTokenizer", chat_template=False, observation_role="user",
+        max_turns=turns or args.turns, max_observation_tokens=args.obs_tokens, env_timeout_s=30.0, env_workers=n,
+        reward_discount=1.0, env_kwargs={"sleep_s": args.env_sleep_s, "obs_chars": args.obs_tokens},
+    )
+    source.prompts()  # resets the environments; the trajectories start from the single-turn prompts
+    return source
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def cache_error(model: torch.nn.Module, prompts: list[torch.Tensor], out: object, rows: int = 8) -> float:
+    """Largest |logprob| difference on sampled positions between the loop (observations prefilled on
+    each trajectory's cache) and one fresh forward over the whole conversation, for a few rows."""
+    from actors.engine.packing import pack_sequences
+
+    worst = 0.0
+    for i in range(min(rows, len(prompts))):
+        seq = torch.cat([prompts[i].cpu(), out.responses[i]]).to(prompts[i].device)
+        tokens, batch = pack_sequences([seq])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens, batch).float(), dim=-1)
+        p = prompts[i].numel()
+        positions = torch.arange(p - 1, seq.numel() - 1, device=seq.device)
+        fresh = logp[positions, seq[positions + 1]].cpu()
+        mask = out.response_masks[i].bool()
+        worst = max(worst, float((fresh[mask] - out.logprobs[i][mask]).abs().max()))
+    return worst
+
+
+def profile_call(fn, device: torch.device) -> None:
+    """One call under torch.profiler: the 15 kernels and ops with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed(fn, device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
+    spec = model_preset("tiny" if args.tiny else "llama3.2-1b")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build_random_model(spec, Layout(1, 1, 1), None, device, dtype)
+    n = args.prompts * args.group
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, min(spec.vocab_size, 256), (args.prompt_len,), generator=gen).to(device)
+               for _ in range(n)]
+    graph = device.type == "cuda" and not args.no_graph
+    sampling = SamplingParams(temperature=1.0)
+    turn_cfg = GenerationConfig(args.turn_tokens, sampling, seed=1, ignore_eos=True, use_cuda_graph=graph,
+                                compile_decode=args.compile)
+    single_cfg = GenerationConfig(args.turns * args.turn_tokens, sampling, seed=1, ignore_eos=True,
+                                  use_cuda_graph=graph, compile_decode=args.compile)
+    budget = args.turns * (args.turn_tokens + args.obs_tokens)
+    single_s, multi_s, stats = [], [], []
+    for repeat in range(args.repeats + 1):  # the first of each is a warm-up
+        seconds, _ = timed(lambda: generate(model, prompts, single_cfg), device)
+        source = sessions(args, n)
+        m_seconds, out = timed(lambda: generate_turns(model, prompts, turn_cfg, budget, source), device)
+        metrics = source.metrics()
+        source.close()
+        if repeat:
+            single_s.append(seconds)
+            multi_s.append(m_seconds)
+            stats.append({**out.stats, "env_step_s": metrics.get("env/step_s_mean", 0.0),
+                          "turns": metrics.get("env/turns_mean", 0.0),
+                          "failures": metrics.get("env/errors", 0.0) + metrics.get("env/timeouts", 0.0)})
+        sampled = sum(int(m.sum()) for m in out.response_masks)
+    if args.profile:
+        profile_call(lambda: generate_turns(model, prompts, turn_cfg, budget, sessions(args, n)), device)
+    # The loop alone: one turn of all the tokens, no environment (its own per-step cost).
+    one_turn = dataclasses.replace(single_cfg)
+    loop_s, _ = timed(lambda: generate_turns(model, prompts, one_turn, args.turns * args.turn_tokens + 1,
+                                             sessions(args, n, turns=1)), device)
+    single, multi = statistics.median(single_s), statistics.median(multi_s)
+    error = cache_error(model, prompts, out)
+    last = stats[-1]
+    print(f"\n{spec.name} on {device} ({'graph' if graph else 'eager'}{'+compile' if args.compile else ''}), "
+          f"{n} trajectories, {args.turns} turns x {args.turn_tokens} sampled + {args.obs_tokens} observed, "
+          f"env sleep {args.env_sleep_s * 1000:.0f} ms")
+    print("| what | value |\n|---|---|")
+    print(f"| single-turn generation, {args.turns * args.turn_tokens} tokens | {single:.3f} s |")
+    print(f"| multi-turn generation, same sampled tokens ({sampled}) | {multi:.3f} s |")
+    print(f"| ratio (target <= 1.3) | {multi / single:.3f} |")
+    print(f"| the multi-turn loop, one turn of {args.turns * args.turn_tokens} tokens, no environment | "
+          f"{loop_s:.3f} s |")
+    print(f"| decode steps / observation prefills (their device time) | {last['decode_steps']:.0f} / "
+          f"{last['extensions']:.0f} ({last['extend_s'] * 1000:.1f} ms) |")
+    print(f"| mean turns, env step (measured), failed steps | {last['turns']:.2f}, {last['env_step_s'] * 1000:.1f} ms, "
+          f"{last['failures']:.0f} |")
+    print(f"| GPU idle: all waiting, total / longest gap | {last['wait_s'] * 1000:.1f} / "
+          f"{last['max_wait_s'] * 1000:.1f} ms |")
+    print(f"| max logprob diff, loop vs fresh forward (8 rows) | {error:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Single-process tests of actors.generation.multiturn: a paused trajectory's cache, extended by its
+observation ids, gives the logprobs a fresh prefill of the whole conversation gives; ids are the
+sampled ids plus the observation ids, masked; paused rows do not disturb the others; budgets end
+trajectories. CPU, float32, tiny random Qwen2-shaped models."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.engine.packing import pack_sequences
+from actors.generation.decoding import GenerationConfig
+from actors.generation.loop import generate
+from actors.generation.multiturn import TurnsOutput, generate_turns
+from actors.generation.sampling import SamplingParams
+from actors.generation.turns import TurnResult
+from tests.actors.generation.test_generate import BASE, build_hf, ours_from_hf, random_prompts
+
+pytestmark = pytest.mark.unit
+torch.set_num_threads(1)
+
+EOS = 7
+
+
+class ScriptedTurns:
+    """A TurnSource answering each row's turn t with fixed observation ids after `delay_s[row]`
+    seconds on a thread (so rows resume at different times), ending at `turns[row]` turns."""
+
+    def __init__(self, prompts: list[torch.Tensor], turns: list[int], delay_s: list[float] | None = None,
+                 observation: tuple[int, ...] = (11, 12, 13)) -> None:
+        self._prompts, self.turns = prompts, turns
+        self.delay_s = delay_s or [0.0] * len(prompts)
+        self.observation = observation
+        self.actions: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
+        self._ready: list[TurnResult] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def prompts(self) -> list[list[int]]:
+        return [p.tolist() for p in self._prompts]
+
+    def submit(self, row: int, action_ids: list[int], last: bool) -> None:
+        self.actions[row].append(list(action_ids))
+        done = last or len(self.actions[row]) >= self.turns[row]
+        obs = tuple(t + row for t in self.observation)  # distinct per row
+        self._pending += 1
+
+        def answer() -> None:
+            time.sleep(self.delay_s[row])
+            with self._lock:
+                self._ready.append(TurnResult(row, () if done else obs, done))
+
+        threading.Thread(target=answer, daemon=True).start()
+
+    def poll(self, wait_s: float) -> list[TurnResult]:
+        deadline = time.perf_counter() + wait_s
+        while True:
+            with self._lock:
+                out, self._ready = self._ready, []
+            if out or time.perf_counter() >= deadline:
+                self._pending -= len(out)
+                return out
+            time.sleep(0.001)
+
+    def pending(self) -> int:
+        return self._pending
+
+
+def full_logprobs(model: torch.nn.Module, out: TurnsOutput, temperature: float = 1.0) -> list[torch.Tensor]:
+    """Logprobs of every response id under one fresh forward of prompt + response (no cache)."""
+    seqs = [torch.cat([p, r]) for p, r in zip(out.prompts, out.responses)]
+    tokens, batch = pack_sequences(seqs)
+    with torch.no_grad():
+        logits = model(tokens, batch).float() / temperature  # [T, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    result, start = [], 0
+    for p, r in zip(out.prompts, out.responses):
+        rows = torch.arange(start + p.numel() - 1, start + p.numel() + r.numel() - 1)
+        result.append(logp[rows, tokens[rows + 1]])
+        start += p.numel() + r.numel()
+    return result
+
+
+@pytest.mark.parametrize("delays", [[0.0, 0.0, 0.0, 0.0], [0.0, 0.05, 0.01, 0.08]])
+def test_resumed_cache_equals_fresh_prefill(delays: list[float]) -> None:
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6], seed=5)
+    source = ScriptedTurns(prompts, turns=[3, 2, 3, 1], delay_s=delays)
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS)
+    out = generate_turns(model, prompts, config, budget=40, source=source)
+    fresh = full_logprobs(model, out)
+    for i in range(len(prompts)):
+        mask = out.response_masks[i].bool()
+        assert out.responses[i].numel() == out.response_masks[i].numel() == out.logprobs[i].numel()
+        # Sampled positions: the loop's sampling logprobs equal the fresh forward's.
+        assert torch.allclose(out.logprobs[i][mask], fresh[i][mask], atol=1e-5)
+        assert torch.all(out.logprobs[i][~mask] == 0)
+    # Token in, token out: the responses are each turn's sampled ids, then that row's observation.
+    for row, actions in source.actions.items():
+        expected: list[int] = []
+        for t, action in enumerate(actions):
+            expected += action
+            if t + 1 < len(actions):
+                expected += [x + row for x in source.observation]
+        assert out.responses[row].tolist() == expected
+        assert out.turns[row] == len(actions) == source.turns[row]
+
+
+def test_samples_do_not_depend_on_when_the_environment_answers() -> None:
+    """Each row's j-th sampled token uses the j-th draw of its row, whatever the answer timing."""
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6], seed=5)
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS)
+    at_once = generate_turns(model, prompts, config, 40, ScriptedTurns(prompts, turns=[3, 2, 3, 1]))
+    staggered = generate_turns(model, prompts, config, 40,
+                               ScriptedTurns(prompts, turns=[3, 2, 3, 1], delay_s=[0.03, 0.0, 0.06, 0.01]))
+    assert [r.tolist() for r in at_once.responses] == [r.tolist() for r in staggered.responses]
+    for a, b in zip(at_once.logprobs, staggered.logprobs):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_one_turn_equals_single_turn_generation() -> None:
+    """With one turn the loop samples what `generate` samples (same seeds, same steps)."""
+    model = ours_from_hf(build_hf("Qwen2", seed=2))
+    prompts = random_prompts(BASE["vocab_size"], [4, 7, 3], seed=9)
+    config = GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.0), seed=5, eos_token_id=EOS)
+    single = generate(model, prompts, config)
+    multi = generate_turns(model, prompts, config, budget=6, source=ScriptedTurns(prompts, turns=[1, 1, 1]))
+    for i, response in enumerate(single.responses()):
+        assert multi.responses[i].tolist() == response.tolist()
+    assert torch.allclose(torch.cat(multi.logprobs), single.logprobs, atol=1e-6)
+
+
+def test_budget_ends_trajectories_and_observations_that_do_not_fit() -> None:
+    model = ours_from_hf(build_hf("Qwen2", seed=3))
+    prompts = random_prompts(BASE["vocab_size"], [3, 3], seed=1)
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=1, eos_token_id=None)
+    out = generate_turns(model, prompts, config, budget=9, source=ScriptedTurns(prompts, turns=[10, 10]))
+    for i in range(2):
+        # 4 sampled + 3 observed = 7, then 3 more observed ids would leave no room: the row ends.
+        assert out.responses[i].numel() <= 9
+        assert out.length_cut[i]
+        assert out.no_eos[i]
+
+
+def test_pipeline_layout_is_refused() -> None:
+    from actors.engine.process_groups import ParallelGroups
+    from planning.layout import Layout
+
+    model = ours_from_hf(build_hf("Qwen2", seed=3))
+    groups = ParallelGroups(Layout(1, 1, 2), 0, 0, 0, None, None, None, None, None, (0, 1), (0,))
+    with pytest.raises(ValueError, match="pp=1"):
+        generate_turns(model, random_prompts(BASE["vocab_size"], [3], seed=1), GenerationConfig(max_new_tokens=2),
+                       budget=8, source=ScriptedTurns([], turns=[]), groups=groups)

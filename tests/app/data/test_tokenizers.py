@@ -1,0 +1,71 @@
+"""Tokenizer identity (fingerprints) and the text bridge of a reward model with another tokenizer,
+on two tiny BPE tokenizers trained offline on different corpora and the toy character tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.data import RewardText, load_tokenizer_object, tokenizer_info
+from tests.tiny_chat_model import build_tokenizer
+from tests.tokenizer_families import build_other_tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    build_tokenizer(root / "qwen")
+    build_other_tokenizer(root / "other")
+    build_other_tokenizer(root / "plain", chat_template=False)
+    shutil.copytree(root / "qwen", root / "qwen_copy")
+    return {name: root / name for name in ("qwen", "other", "plain", "qwen_copy")}
+
+
+def test_fingerprints_tell_tokenizers_apart(tokenizers: dict[str, Path]) -> None:
+    qwen, copy, other = (tokenizer_info(str(tokenizers[n])) for n in ("qwen", "qwen_copy", "other"))
+    assert qwen.same_as(copy) and not qwen.same_as(other)  # the same files elsewhere; another corpus
+    assert qwen.n_ids == len(load_tokenizer_object(str(tokenizers["qwen"]))) and other.n_ids == 320
+    assert qwen.chat_template and other.chat_template and not tokenizer_info(str(tokenizers["plain"])).chat_template
+    toy = tokenizer_info("toy")
+    assert toy.same_as(tokenizer_info("app.data.toy_task:CharTokenizer")) and toy.n_ids == 256
+    assert not toy.same_as(qwen)
+    # The same vocabulary with other special ids is another tokenizer (eos decides where responses end).
+    assert dict(other.specials)["eos_token_id"] == 1 and dict(qwen.specials)["eos_token_id"] != 1
+    with pytest.raises(ValueError, match="cannot"):
+        tokenizer_info(str(tokenizers["qwen"] / "nope"))
+
+
+def test_reward_text_decodes_renders_and_cuts(tokenizers: dict[str, Path]) -> None:
+    qwen = load_tokenizer_object(str(tokenizers["qwen"]))
+    other = load_tokenizer_object(str(tokenizers["other"]))
+    eos = qwen.eos_token_id
+    bridge = RewardText(str(tokenizers["qwen"]), str(tokenizers["other"]), chat_template=True, max_length=512)
+    response = qwen("It is 14 apples.", add_special_tokens=False)["input_ids"] + [eos, qwen.pad_token_id]
+    assert bridge.response_text(response) == "It is 14 apples."  # cut at eos, nothing after it
+    prompt_ids = qwen("How many?")["input_ids"]
+    assert bridge.prompt_text(None, prompt_ids) == "How many?" and bridge.prompt_text("Q", prompt_ids) == "Q"
+    rendered = bridge.render("How many?", "It is 14 apples.")
+    assert rendered == "<s>[user]\nHow many?</s>[assistant]\nIt is 14 apples.</s>"
+    rows, cut = bridge.rows(["How many?"], [prompt_ids], [response])
+    assert rows[0] == other(rendered, add_special_tokens=False)["input_ids"] and cut == [False]
+    short = RewardText(str(tokenizers["qwen"]), str(tokenizers["other"]), chat_template=False, max_length=3)
+    rows, cut = short.rows(["How many?"], [prompt_ids], [response])
+    full = other("How many?It is 14 apples.")["input_ids"]
+    assert rows[0] == full[-3:] and cut == [True]  # the last tokens stay: the score is read there
+    ratio, extra = bridge.token_pricing(["How many?", "Count the apples."], [prompt_ids, qwen("Count the apples.")["input_ids"]])
+    assert extra == len(other(bridge.render("", ""), add_special_tokens=False)["input_ids"]) and 0 < ratio < 5
+    with pytest.raises(ValueError, match="no chat template"):
+        RewardText(str(tokenizers["qwen"]), str(tokenizers["plain"]), chat_template=True, max_length=8)
+
+
+def test_reward_text_from_the_toy_tokenizer(tokenizers: dict[str, Path]) -> None:
+    bridge = RewardText("app.data.toy_task:CharTokenizer", str(tokenizers["plain"]), chat_template=False,
+                        max_length=64, eos_token_id=2)
+    assert bridge.response_text([ord("3"), ord("4"), 2, ord("9")]) == "34"
+    rows, cut = bridge.rows(["12"], [[1, ord("1"), ord("2")]], [[ord("3"), ord("4"), 2]])
+    other = load_tokenizer_object(str(tokenizers["plain"]))
+    assert rows == [other("1234")["input_ids"]] and cut == [False]
