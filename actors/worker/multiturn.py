@@ -32,7 +32,7 @@ from actors.worker.calls import (
     run_generate,
     shard_of_my_rows,
 )
-from actors.worker.data import import_object, merge_shards
+from actors.worker.data import import_object, load_tokenizer, merge_shards
 from actors.worker.execution import generation_rounds
 
 DEFAULT_SESSIONS = "app.envs.sessions:EnvSessions"
@@ -149,7 +149,29 @@ def run_generate_turns(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple
     for key in ("prompt", "answer"):
         columns[key] = [s[key] for s in samples]
     meta["env_rewards"] = columns["env_reward"]
+    meta["samples"] = _console_samples(p.get("tokenizer"), prompts, responses, masks, columns["env_end"])
     return shard_of_my_rows(ctx, columns, meta)
+
+
+def _console_samples(tokenizer_spec: str | None, prompts: list[Any], responses: list[Any], masks: list[Any],
+                     ends: list[str], count: int = 2) -> list[dict[str, str]]:
+    """The first rows decoded for samples.jsonl and the console: the prompt, then each turn's
+    sampled text and each observation as `[observation] ...`, and why the trajectory ended."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    if tokenizer is None:
+        return []
+    out = []
+    for i in range(min(count, len(prompts))):
+        ids, mask = responses[i].tolist(), masks[i].tolist()
+        pieces, start = [], 0
+        for end in range(1, len(ids) + 1):  # one piece per run of equal mask values
+            if end == len(ids) or mask[end] != mask[start]:
+                text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+                pieces.append(text if mask[start] else f"[observation] {text}")
+                start = end
+        out.append({"prompt": tokenizer.decode(prompts[i].tolist(), skip_special_tokens=True),
+                    "response": " | ".join(pieces), "end": ends[i]})
+    return out
 
 
 def run_env_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:

@@ -72,10 +72,11 @@ class ScriptedTurns:
 def full_logprobs(model: torch.nn.Module, out: TurnsOutput, temperature: float = 1.0) -> list[torch.Tensor]:
     """Logprobs of every response id under one fresh forward of prompt + response (no cache)."""
     seqs = [torch.cat([p, r]) for p, r in zip(out.prompts, out.responses)]
-    tokens, batch = pack_sequences(seqs)
+    tokens, batch = pack_sequences(seqs, next(model.parameters()).device)
     with torch.no_grad():
         logits = model(tokens, batch).float() / temperature  # [T, V]
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1).cpu()
+    tokens = tokens.cpu()
     result, start = [], 0
     for p, r in zip(out.prompts, out.responses):
         rows = torch.arange(start + p.numel() - 1, start + p.numel() + r.numel() - 1)
@@ -155,3 +156,24 @@ def test_pipeline_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="pp=1"):
         generate_turns(model, random_prompts(BASE["vocab_size"], [3], seed=1), GenerationConfig(max_new_tokens=2),
                        budget=8, source=ScriptedTurns([], turns=[]), groups=groups)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward() -> None:
+    """On CUDA: CUDA-graph decode steps with the Triton decode attention (head_dim 32), paused rows
+    (step_increment 0) and observation prefills through the varlen kernel (bf16), against one
+    fresh forward of each whole conversation."""
+    device = torch.device("cuda")
+    hf = build_hf("Llama", seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2)
+    model = ours_from_hf(hf).to(device=device, dtype=torch.bfloat16)
+    prompts = [p.to(device) for p in random_prompts(BASE["vocab_size"], [5, 9, 1, 6], seed=5)]
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS,
+                              use_cuda_graph=True)
+    out = generate_turns(model, prompts, config, 40, ScriptedTurns(prompts, turns=[3, 2, 3, 1],
+                                                                   delay_s=[0.02, 0.0, 0.05, 0.01]))
+    fresh = full_logprobs(model, out)
+    for i in range(len(prompts)):
+        mask = out.response_masks[i].bool()
+        assert torch.allclose(out.logprobs[i][mask], fresh[i][mask], atol=0.1)  # bf16
+    assert sum(out.turns) == 9
