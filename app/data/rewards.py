@@ -17,18 +17,15 @@ Built-ins: `app.data.rewards:toy_reward` (the toy task, see app.data.toy_task) a
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.data.toy_task import toy_reward  # noqa: F401  (configs name it `app.data.rewards:toy_reward`)
+from app.data.user_code import import_user_module, looks_like_file
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -111,46 +108,12 @@ class RewardFn:
         return self.score(prompt, response, answer).score
 
 
-def _looks_like_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
-def _import_target(spec: str, target: str) -> Any:
-    """The module (or file) part of a spec, imported."""
-    if not _looks_like_file(target):
-        try:
-            return importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise RewardLoadError(f"reward {spec!r}: module {target!r} cannot be imported ({exc}); use an "
-                                  "importable module or a path to a .py file") from None
-        except Exception as exc:
-            raise RewardLoadError(f"reward {spec!r}: importing {target!r} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-    path = Path(target).expanduser().resolve()
-    if not path.is_file():
-        raise RewardLoadError(f"reward {spec!r}: file {str(path)!r} does not exist")
-    module_name = "_realray_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if module_name in sys.modules:  # loaded before in this process (e.g. unpickled again)
-        return sys.modules[module_name]
-    loader_spec = importlib.util.spec_from_file_location(module_name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise RewardLoadError(f"reward {spec!r}: {str(path)!r} is not a loadable Python file")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise RewardLoadError(f"reward {spec!r}: executing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-    return module
-
-
 def load_reward_fn(spec: str) -> RewardFn:
     """Resolve `module:function` or `path/to/file.py:function` to a callable `RewardFn`."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise RewardLoadError(f"reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    module = _import_target(spec, target)
+    module = import_user_module(target, f"reward {spec!r}", RewardLoadError, "reward")
     fn = getattr(module, name, None)
     if fn is None:
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -158,7 +121,7 @@ def load_reward_fn(spec: str) -> RewardFn:
                               f"callables there: {', '.join(public[:12]) or 'none'}")
     if not callable(fn):
         raise RewardLoadError(f"reward {spec!r}: {target}.{name} is a {type(fn).__name__}, not callable")
-    if _looks_like_file(target):
+    if looks_like_file(target):
         spec = f"{Path(target).expanduser().resolve()}:{name}"
     return RewardFn(spec, fn)
 

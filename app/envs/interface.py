@@ -20,16 +20,14 @@ so it can be shipped to Ray workers that share the file system.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from app.data import import_user_module, looks_like_file
 
 
 class EnvLoadError(ValueError):
@@ -54,39 +52,6 @@ class StepOutcome:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _looks_like_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
-def _import_module(what: str, target: str) -> Any:
-    """The module (or .py file) part of a 'module:Name' spec, imported; `what` prefixes errors."""
-    if not _looks_like_file(target):
-        try:
-            return importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise EnvLoadError(f"{what}: module {target!r} cannot be imported ({exc}); use an importable "
-                               "module or a path to a .py file") from None
-        except Exception as exc:
-            raise EnvLoadError(f"{what}: importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
-    path = Path(target).expanduser().resolve()
-    if not path.is_file():
-        raise EnvLoadError(f"{what}: file {str(path)!r} does not exist")
-    module_name = "_realray_env_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if module_name in sys.modules:  # loaded before in this process (e.g. unpickled again)
-        return sys.modules[module_name]
-    loader_spec = importlib.util.spec_from_file_location(module_name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise EnvLoadError(f"{what}: {str(path)!r} is not a loadable Python file")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise EnvLoadError(f"{what}: executing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-    return module
-
-
 def import_attribute(spec: str, what: str) -> tuple[Any, str]:
     """The object named 'module:Name' or 'path/to/file.py:Name', and the spec with the file path
     made absolute. `what` names the setting in errors (e.g. "rollout.env='x:Y'")."""
@@ -96,13 +61,13 @@ def import_attribute(spec: str, what: str) -> tuple[Any, str]:
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise EnvLoadError(f"{what}: expected 'module:Class' or 'path/to/file.py:Class'")
-    module = _import_module(what, target)
+    module = import_user_module(target, what, EnvLoadError, "env")
     if not hasattr(module, name):
         classes = sorted(k for k, v in vars(module).items() if isinstance(v, type) and not k.startswith("_")
                          and v.__module__ == module.__name__)
         raise EnvLoadError(f"{what}: {target!r} has no attribute {name!r}; classes there: "
                            f"{', '.join(classes[:12]) or 'none'}")
-    if _looks_like_file(target):
+    if looks_like_file(target):
         spec = f"{Path(target).expanduser().resolve()}:{name}"
     return getattr(module, name), spec
 
