@@ -135,6 +135,20 @@ def packed_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float,
+               window: tuple[int, int]) -> Tensor | None:
+    """torch < 2.12, whose varlen_attn has no enable_gqa: FlashAttention's varlen kernel (the op
+    varlen_attn wraps) takes fewer KV heads than query heads itself, without repeating K/V in
+    memory. None when this build's op refuses (the caller repeats K/V then)."""
+    try:
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+            window_size_left=window[0] if window[0] >= 0 else None, window_size_right=window[1])
+    except (RuntimeError, TypeError):
+        return None
+    return out[0]
+
+
 def attention_over_history(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     sliding_window: int | None = None, kv_index: Tensor | None = None,
@@ -156,7 +170,11 @@ def attention_over_history(
         if k.shape[1] != q.shape[1]:
             if _varlen_takes_gqa():
                 gqa["enable_gqa"] = True
-            else:  # torch < 2.12: repeat each KV head for its query heads
+            else:
+                out = _flash_gqa(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+                if out is not None:
+                    return out
+                # No native GQA here: repeat each KV head for its query heads (H_q / H_kv x the bytes).
                 k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
                 v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **gqa)
