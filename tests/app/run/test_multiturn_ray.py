@@ -72,3 +72,17 @@ def test_faulty_environments_end_only_their_trajectories(ray_session: None, tmp_
         assert m["env/timeouts"] == pytest.approx(n_rows / 4)
     # With max_staleness 1 the second batch was generated from the weights before the first update.
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0]
+
+
+def test_multi_turn_generation_under_tensor_parallelism(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    """actor_gen at tp2 (environments on tp rank 0, prompts and answers shared with rank 1)."""
+    manual = ("{actor_gen: {mesh: 'n0:g0-1', layout: dp1tp2pp1}, actor_train: {mesh: 'n0:g0-1', layout: dp2tp1pp1},"
+              " ref_inf: {mesh: 'n0:g0-1', layout: dp2tp1pp1}, rew_inf: {mesh: 'n0:g0-1', layout: dp2tp1pp1}}")
+    overrides = [f"run.dir={tmp_path}", "tracking.console=false", "run.iterations=2", "plan.mode=manual",
+                 f"plan.manual={manual}"]
+    cfg = load_config(EXAMPLES / "grpo-tool-tiny.yaml", overrides)
+    Driver(cfg, tmp_path).run()
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 2
+    assert all(m["env/turns_mean"] == pytest.approx(4.0) and m["env/errors"] == 0 for m in metrics)
+    assert all(m["rollout/response_length_mean"] == pytest.approx(4.0) for m in metrics)
