@@ -40,17 +40,25 @@ def training_texts() -> list[str]:
     return [*texts, GSM8K_INSTRUCTION, "system\nYou are a helpful assistant.\nuser\nassistant\n"]
 
 
-def build_tokenizer(directory: Path) -> object:
-    """Train the byte-level BPE tokenizer, wrap it for transformers, save it in `directory`."""
+def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: tuple[str, ...]) -> object:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (every byte in its alphabet, so
+    any text round-trips), not yet wrapped for transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), min_frequency=1,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), min_frequency=1,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(training_texts(), trainer)
+    backend.train_from_iterator(texts, trainer)
+    return backend
+
+
+def build_tokenizer(directory: Path) -> object:
+    """Train the byte-level BPE tokenizer, wrap it for transformers, save it in `directory`."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_byte_level_bpe(training_texts(), VOCAB_SIZE, SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
@@ -81,4 +89,7 @@ def build_tiny_chat_model(directory: Path, family: str = "qwen2", seed: int = 0)
     return directory
 
 
-__all__ = ["CHAT_TEMPLATE", "GSM8K_TINY", "SPECIAL_TOKENS", "VOCAB_SIZE", "build_tiny_chat_model", "build_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE", "GSM8K_TINY", "SPECIAL_TOKENS", "VOCAB_SIZE", "build_tiny_chat_model", "build_tokenizer",
+    "train_byte_level_bpe",
+]

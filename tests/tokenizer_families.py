@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from tests.tiny_chat_model import train_byte_level_bpe
+
 OTHER_VOCAB_SIZE = 320
 OTHER_SPECIALS = ("<s>", "</s>", "<pad>")
 WORDS = ("the", "a", "reward", "model", "reads", "text", "answer", "is", "good", "bad", "number", "question",
@@ -34,15 +36,9 @@ def other_corpus(n: int = 400, seed: int = 7) -> list[str]:
 
 def build_other_tokenizer(directory: Path, chat_template: bool = True) -> object:
     """Train the second family's BPE tokenizer, wrap it for transformers, save it in `directory`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=OTHER_VOCAB_SIZE, special_tokens=list(OTHER_SPECIALS), min_frequency=1,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(other_corpus(), trainer)
+    backend = train_byte_level_bpe(other_corpus(), OTHER_VOCAB_SIZE, OTHER_SPECIALS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                         pad_token="<pad>")
     if chat_template:

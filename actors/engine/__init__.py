@@ -27,6 +27,7 @@ from actors.engine.packing import PackedBatch, pack_sequences
 from actors.engine.parallelize import build_model_shard, named_trainable_parameters, norm_excluded_names
 from actors.engine.process_groups import (
     ParallelGroups,
+    broadcast_from_first,
     build_parallel_groups,
     free_port,
     init_local_world,
@@ -37,8 +38,8 @@ from actors.engine.process_groups import (
 
 __all__ = [
     # process_groups.py
-    "ParallelGroups", "build_parallel_groups", "free_port", "init_local_world", "lookup_parallel_groups",
-    "node_address", "world_timeout",
+    "ParallelGroups", "broadcast_from_first", "build_parallel_groups", "free_port", "init_local_world",
+    "lookup_parallel_groups", "node_address", "world_timeout",
     # packing.py
     "PackedBatch", "pack_sequences",
     # attention.py

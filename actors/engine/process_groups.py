@@ -22,6 +22,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,16 @@ def group_size(group: ProcessGroup | None) -> int:
 def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank inside a group; 0 for None."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def broadcast_from_first(value: Any, group: ProcessGroup | None) -> Any:
+    """The group's first rank's `value` (any picklable object) on every rank of it; a group of
+    one (or None) returns `value` as it is. The other ranks pass anything (e.g. None)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def world_timeout() -> timedelta | None:
@@ -237,6 +248,6 @@ def init_gloo_world(rank: int, world_size: int, port: int, threads: int = 1) -> 
 
 
 __all__ = [
-    "ParallelGroups", "build_parallel_groups", "destroy_parallel_groups", "free_port", "group_rank", "group_size",
-    "init_gloo_world", "init_local_world", "lookup_parallel_groups", "node_address", "world_timeout",
+    "ParallelGroups", "broadcast_from_first", "build_parallel_groups", "destroy_parallel_groups", "free_port",
+    "group_rank", "group_size", "init_gloo_world", "init_local_world", "lookup_parallel_groups", "node_address", "world_timeout",
 ]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from actors.engine import ParallelGroups
+from actors.engine import ParallelGroups, broadcast_from_first
 from actors.generation.decoding import DecodeStep, GenerationConfig, attend_length, prepare_cache
 from actors.generation.kv_cache import CacheExtension, FusedQKV, extension_batch
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
@@ -169,15 +169,6 @@ class _Trajectories:
         return bool(self.decoding.any() or self.waiting.any())
 
 
-def _share(results: list[TurnResult] | None, tp_group: ProcessGroup | None) -> list[TurnResult]:
-    """tp rank 0's answers on every rank of the tp group (the others pass None)."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return results or []
-    box: list[object] = [results]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-    return list(box[0] or [])
-
-
 def _extend(model: nn.Module, cache: object, rows: list[int], observations: list[list[int]],
             starts: list[int], device: torch.device) -> Tensor:
     """Prefill each row's observation ids at its length; returns the last-token logits [b, V]."""
@@ -244,7 +235,8 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
             gap = time.perf_counter() - waited
             stats["wait_s"] += gap
             stats["max_wait_s"] = max(stats["max_wait_s"], gap)
-        answered = [(r.row, int(state.lengths[r.row]), state.answer(r)) for r in _share(found, tp_group)]
+        answered = [(r.row, int(state.lengths[r.row]), state.answer(r))
+                    for r in broadcast_from_first(found, tp_group) or []]
         resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
         if resumed:
             begin = _mark(device)

@@ -7,7 +7,9 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   guards       reward functions under a time limit; non-finite rewards, losses, gradient norms
   memory       the peak GPU memory of each call (a probe reset before it, read after it)
   execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
-  calls        `CallSpec` and the inference ops: generation, rewards, logprobs, values
+  calls        `CallSpec`, `CallContext` and the inference ops: rewards, logprobs, values
+  generate     the single-turn generation op and what every generation op shares (settings, prompts)
+  multiturn    the multi-turn generation op (environments built by name) and the env_reward op
   rollout      `Rollout`: a train call's rows merged from their producer shards and packed
   behaviour    the behaviour policy's logprobs of a train call (actor_inf's, recomputed or reused) and
                the truncated importance weights against the rollout's

@@ -7,7 +7,7 @@ call's data owners, a data shard (see actors.worker.data for the shard format an
 Ops, chosen by `params["op"]` (or by role and kind, see `default_op`), and the keys they read and
 write (per-row lists; `<p>` is params["in_prefix"] / ["out_prefix"], default ""):
 
-  generate     prompt_ids (+ prompt, answer) -> <p>prompt_ids, <p>response_ids, <p>logprobs
+  generate     (actors.worker.generate) prompt_ids (+ prompt, answer) -> <p>prompt_ids, <p>response_ids, <p>logprobs
                (of the full temperature-scaled distribution, recomputed when top-k/top-p truncated),
                <p>no_eos, prompt_index (+ prompt, answer, <p>response when a tokenizer is given)
   rule_reward  <p>prompt/<p>response text (or ids + tokenizer), answer -> params["out_key"] ("rewards")
@@ -23,7 +23,8 @@ and advantages are whitened over the whole batch); their owners return their dp 
 How a call runs is the plan's `CallExecution` (`CallSpec.execution`): inference and training
 split each dp share into micro-batches of at most `micro_batch_tokens` tokens
 (`micro_batching`; MAX_MICRO_TOKENS when a call names none, so no call holds the logits of a
-whole batch), generation runs a dp rank's rows in `gen_rounds` rounds (`run_generate`).
+whole batch), generation runs a dp rank's rows in `gen_rounds` rounds (actors.worker.generate,
+and actors.worker.multiturn for multi-turn calls).
 `timed` adds wall-clock times and the call's peak GPU memory on this rank to its metadata.
 """
 
@@ -36,11 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
-from actors.generation import GenerationConfig, SamplingParams
 from actors.worker.data import (
     dp_rows,
     gather_responses,
@@ -51,7 +50,7 @@ from actors.worker.data import (
     merge_shards,
     pack_rows,
 )
-from actors.worker.execution import MicroBatching, generate_in_rounds, generation_rounds, plan_micro_batching
+from actors.worker.execution import MicroBatching, plan_micro_batching
 from actors.worker.guards import score_rows
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from planning.plan import CallExecution, Placement, check_execution_kind
@@ -134,102 +133,6 @@ def owner_result(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str
     picked = {key: values[rows.start:rows.stop] if len(values) == ctx.call.n_rows else values
               for key, values in columns.items()}
     return meta, make_shard(rows.start, picked)
-
-
-# ---- generation ---------------------------------------------------------------------------------
-
-
-def generation_seed(base: int, iteration: int, first_row: int) -> int:
-    """Seed of one dp rank's generation: distinct per iteration and per first row, so dp ranks
-    never share random numbers (a single rank starting at row 0 matches a serial run)."""
-    return (base * 1_000_003 + iteration * 10_007 + first_row * 101) % (2**62)
-
-
-def generation_config(ctx: CallContext, first_row: int, round_rows: range | None = None) -> GenerationConfig:
-    """The generation settings of this dp rank (rows from `first_row`); `round_rows`: the rows,
-    relative to `first_row`, of the round being generated (None: all of this rank's rows)."""
-    p, spec = ctx.params, ctx.need_engine().spec
-    greedy = bool(p.get("greedy", False))
-    sampling = SamplingParams(0.0 if greedy else float(p.get("temperature", 1.0)), int(p.get("top_k", 0)),
-                              float(p.get("top_p", 1.0)))
-    if "max_new_tokens" not in p:
-        raise ValueError(f"call {ctx.call.name}: params['max_new_tokens'] is required for generation")
-    return GenerationConfig(
-        max_new_tokens=int(p["max_new_tokens"]), sampling=sampling,
-        seed=generation_seed(int(p.get("seed", 0)), ctx.call.iteration, first_row),
-        eos_token_id=p.get("eos_token_id", spec.eos_token_id), ignore_eos=bool(p.get("ignore_eos", False)),
-        pad_token_id=int(p.get("pad_token_id", 0)),
-        use_cuda_graph=ctx.device.type == "cuda" and bool(p.get("cuda_graph", True)),
-        compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
-        uniform_offset=round_rows.start if round_rows is not None else 0,
-        uniform_total=len(ctx.my_rows) if round_rows is not None else None,
-    )
-
-
-def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
-    """Sample responses for this dp rank's rows; row r answers prompt r // n_samples."""
-    engine, p = ctx.need_engine(), ctx.params
-    n_samples = int(p.get("n_samples", 1))
-    if n_samples < 1 or ctx.call.n_rows % n_samples:
-        raise ValueError(f"call {ctx.call.name}: n_samples={n_samples} must be >= 1 and divide n_rows={ctx.call.n_rows}")
-    rows = ctx.my_rows
-    prompt_rows = range(rows.start // n_samples, (rows.stop - 1) // n_samples + 1)
-    cols = merge_shards(inputs, prompt_rows, ["prompt_ids"], optional=["prompt", "answer"])
-    index = [r // n_samples - prompt_rows.start for r in rows]
-    prompts = [cols["prompt_ids"][i].to(ctx.device) for i in index]
-    rounds = generation_rounds(ctx.call.execution, len(prompts))
-    out = generate_in_rounds(engine.model, engine.groups, prompts, rounds,
-                             lambda part: generation_config(ctx, rows.start, part))
-    meta = {"response_lengths": out.lengths, "gen_tokens": int(sum(out.lengths)), "gen_rounds": out.rounds}
-    responses, logprobs = out.responses, out.logprobs
-    if out.sampling.truncates:  # collective over the mesh: every rank, before the owner check
-        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, out.sampling.temperature)
-    if not ctx.owner:
-        return owner_result(ctx, {}, meta)
-    prefix = str(p.get("out_prefix", ""))
-    columns: dict[str, list[Any]] = {
-        f"{prefix}prompt_ids": [t.cpu() for t in prompts],
-        f"{prefix}response_ids": responses,
-        f"{prefix}logprobs": logprobs,
-        f"{prefix}no_eos": out.no_eos,
-        "prompt_index": [r // n_samples for r in rows],
-    }
-    for key in ("prompt", "answer"):
-        if key in cols:
-            columns[key] = [cols[key][i] for i in index]
-    tokenizer = load_tokenizer(p.get("tokenizer"))
-    if tokenizer is not None:  # two samples for the console; the reward call decodes the rest
-        meta["samples"] = [{"prompt": columns["prompt"][i] if "prompt" in columns else None,
-                            "response": tokenizer.decode(responses[i].tolist(), skip_special_tokens=True)}
-                           for i in range(min(2, len(index)))]
-    return shard_of_my_rows(ctx, columns, meta)
-
-
-def full_distribution_logprobs(ctx: CallContext, prompts: list[Tensor], responses: list[Tensor],
-                               temperature: float) -> list[Tensor]:
-    """Logprobs [r_i] of this dp rank's responses under the full temperature-scaled distribution.
-
-    Top-k/top-p sampling draws from a truncated, renormalised distribution, but the ref call and
-    the train layout compute logprobs of the full one (as veRL does). The rollout's `logprobs`
-    feed the KL penalty against the ref and, without recomputation, the PPO ratio, so they must
-    be of the same distribution: otherwise the KL to an identical ref is -log(kept mass) > 0.
-    Collective over the mesh: the rows (token ids) are gathered over dp, then the engine splits
-    the forward over dp as for any inference call and every rank keeps its own rows.
-    """
-    engine, groups = ctx.need_engine(), ctx.groups
-    mine = list(zip(prompts, responses))
-    rows = mine
-    if groups.dp_group is not None:
-        gathered: list[Any] = [None] * groups.layout.dp
-        dist.all_gather_object(gathered, mine, group=groups.dp_group)  # dp rank order = row order
-        rows = [row for part in gathered for row in part]
-    tokens, lengths, _ = pack_rows([q for q, _ in rows], [r for _, r in rows])
-    mb = micro_batching(ctx)
-    per_token = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), mb.n_micro, temperature,
-                                        gather_dp=True, micro_batch_tokens=mb.tokens)
-    per_row = gather_responses(per_token, [q.numel() for q, _ in rows], [r.numel() for _, r in rows])
-    start = ctx.my_rows.start
-    return per_row[start:start + len(mine)]
 
 
 def shard_of_my_rows(ctx: CallContext, columns: dict[str, list[Any]], meta: dict[str, Any]) -> tuple[dict, dict]:
@@ -393,7 +296,7 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 
 __all__ = [
-    "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "full_distribution_logprobs", "generation_config",
-    "generation_seed", "micro_batching", "owner_result", "retokenized_batch", "reward_text_bridge", "run_generate",
-    "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "shard_of_my_rows", "timed",
+    "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "micro_batching", "owner_result",
+    "retokenized_batch", "reward_text_bridge", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values",
+    "shard_of_my_rows", "timed",
 ]

@@ -21,19 +21,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from actors.engine import broadcast_from_first
 from actors.generation import generate_turns
-from actors.worker.calls import (
-    CallContext,
-    full_distribution_logprobs,
-    generation_config,
-    owner_result,
-    run_generate,
-    shard_of_my_rows,
-)
+from actors.worker.calls import CallContext, owner_result, shard_of_my_rows
 from actors.worker.data import import_object, load_tokenizer, merge_shards
 from actors.worker.execution import generation_rounds
+from actors.worker.generate import (
+    full_distribution_logprobs,
+    generation_config,
+    prompt_columns,
+    run_generate,
+    samples_per_prompt,
+)
 
 DEFAULT_SESSIONS = "app.envs.sessions:EnvSessions"
 # Environment metrics summed over rounds and dp ranks by the driver; the rest are averaged.
@@ -46,32 +46,14 @@ def _is_counter(key: str) -> bool:
     return key in SUMMED_METRICS or (key.startswith("gen/") and key != "gen/max_wait_s")
 
 
-def _samples(ctx: CallContext, inputs: Sequence[dict | None], n_samples: int) -> list[dict[str, Any]]:
+def _samples(ctx: CallContext, inputs: Sequence[dict | None]) -> list[dict[str, Any]]:
     """What each of this dp rank's rows shows its environment: prompt text, answer, indices."""
-    rows = ctx.my_rows
-    prompt_rows = range(rows.start // n_samples, (rows.stop - 1) // n_samples + 1)
-    cols = merge_shards(inputs, prompt_rows, ["prompt_ids"], optional=["prompt", "answer"])
-    out = []
-    for r in rows:
-        i = r // n_samples - prompt_rows.start
-        out.append({"prompt": cols["prompt"][i] if "prompt" in cols else None,
-                    "answer": cols["answer"][i] if "answer" in cols else None,
-                    "prompt_index": r // n_samples, "sample_index": r % n_samples})
-    return out
-
-
-def _tp_root(ctx: CallContext) -> bool:
-    return ctx.groups.tp_rank == 0
-
-
-def _broadcast_tp(ctx: CallContext, value: Any) -> Any:
-    """tp rank 0's `value` on every rank of the tp group."""
-    group = ctx.groups.tp_group
-    if group is None or dist.get_world_size(group) == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    n_samples = samples_per_prompt(ctx)
+    cols, index = prompt_columns(ctx, inputs)
+    return [{"prompt": cols["prompt"][i] if "prompt" in cols else None,
+             "answer": cols["answer"][i] if "answer" in cols else None,
+             "prompt_index": r // n_samples, "sample_index": r % n_samples}
+            for r, i in zip(ctx.my_rows, index)]
 
 
 def _round(ctx: CallContext, samples: list[dict[str, Any]], part: range, env: dict[str, Any],
@@ -79,11 +61,11 @@ def _round(ctx: CallContext, samples: list[dict[str, Any]], part: range, env: di
     """One round of rows: environments built, prompts shared, trajectories generated."""
     engine = ctx.need_engine()
     source = None
-    if _tp_root(ctx):
+    if ctx.groups.tp_rank == 0:
         factory = import_object(str(env.get("sessions", DEFAULT_SESSIONS)), "params['env']['sessions']")
         source = factory(samples=[samples[i] for i in part], **env["kwargs"])
     try:
-        prompt_ids = _broadcast_tp(ctx, source.prompts() if source is not None else None)
+        prompt_ids = broadcast_from_first(source.prompts() if source is not None else None, ctx.groups.tp_group)
         prompts = [torch.tensor(ids, dtype=torch.int64, device=ctx.device) for ids in prompt_ids]
         config = generation_config(ctx, ctx.my_rows.start, part if len(part) < len(samples) else None)
         out = generate_turns(engine.model, prompts, config, int(env["budget"]), source, engine.groups)
@@ -112,10 +94,8 @@ def _merge_metrics(per_round: list[dict[str, float]], weights: list[int]) -> dic
 def run_generate_turns(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, dict | None]:
     """Multi-turn trajectories for this dp rank's rows; row r answers prompt r // n_samples."""
     p, env = ctx.params, ctx.params["env"]
-    n_samples = int(p.get("n_samples", 1))
-    if n_samples < 1 or ctx.call.n_rows % n_samples:
-        raise ValueError(f"call {ctx.call.name}: n_samples={n_samples} must be >= 1 and divide n_rows={ctx.call.n_rows}")
-    samples = _samples(ctx, inputs, n_samples)
+    n_samples = samples_per_prompt(ctx)
+    samples = _samples(ctx, inputs)
     rounds = generation_rounds(ctx.call.execution, len(samples))
     outs, outcomes, metrics = [], [], []
     for part in rounds:

@@ -118,6 +118,7 @@ class Driver:
             check_fingerprint(resume_state, cfg, self.resume_from)  # the run it continues: before Ray too
         # The plan before Ray and before the run directory: a config without one fails in a second.
         self.search = search_plan_now(self.inputs)
+        check_headroom(self.inputs.problem, self.search.plan)  # ConfigError, before Ray too
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.problem = self.inputs.problem
         self.graph = self.problem.graph
@@ -150,7 +151,6 @@ class Driver:
         self._worker_cls = worker_cls
         cfg = self.cfg
         self.plan = self.search.plan
-        check_headroom(self.problem, self.plan)  # ConfigError before Ray too
         self._info = connect_cluster(cfg)
         self._start_workers()
         self.estimates = call_estimates(self.problem, self.plan)
@@ -344,9 +344,8 @@ class Driver:
     # ---- re-planning -----------------------------------------------------------------------------
     def _replan(self, iteration: int, records: list[TimelineRecord],
                 call_metas: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
-        """Feed the re-planner (call times, and a multi-turn generation's measured environment step
-        time and turns from the calls' metadata); on a decision adopt the calibrated model (and
-        schedule a switch)."""
+        """Feed the re-planner (call times; a multi-turn call's env step time and turns from its
+        metadata); on a decision adopt the calibrated model (and schedule a switch)."""
         assert self.replanner is not None
         metrics, decision = self.replanner.collect(iteration, records, self.run_dir,
                                                    self._submitted() < self.total_iterations,

@@ -11,7 +11,8 @@ import torch
 
 from actors.engine.model_engine import SequenceBatch
 from actors.worker import CallSpec, ModelWorker
-from actors.worker.calls import default_op, generation_seed
+from actors.worker.calls import default_op
+from actors.worker.generate import generation_seed
 from actors.worker.data import (
     dp_rows,
     gather_responses,
