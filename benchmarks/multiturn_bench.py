@@ -126,15 +126,31 @@ def cache_error(model: torch.nn.Module, prompts: list[torch.Tensor], out: object
     return worst
 
 
-def profile_call(fn, device: torch.device) -> None:
-    """One call under torch.profiler: the 15 kernels and ops with the most device time."""
+def profile_call(name: str, fn, device: torch.device, table: bool) -> None:
+    """One call under torch.profiler: how much of its time the device was busy, its idle gaps by
+    size, and (table) the 15 kernels and ops with the most device time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        timed(fn, device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+        seconds, _ = timed(fn, device)
+    if device.type == "cuda":
+        spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                       if e.device_type() == torch.autograd.DeviceType.CUDA)
+        busy, gaps, end = 0, [], spans[0][0] if spans else 0
+        for start, stop in spans:  # union of the device's intervals; the holes between them
+            if start > end:
+                gaps.append((start - end) / 1e9)
+            busy += max(0, stop - max(start, end))
+            end = max(end, stop)
+        small = [g for g in gaps if g < 1e-3]
+        large = [g for g in gaps if g >= 1e-3]
+        print(f"{name}: {seconds:.3f} s under the profiler, device busy {busy / 1e9:.3f} s; idle gaps < 1 ms: "
+              f"{len(small)} ({sum(small) * 1000:.0f} ms), >= 1 ms: {len(large)} ({sum(large) * 1000:.0f} ms, "
+              f"longest {max(large, default=0) * 1000:.1f} ms)")
+    if table:
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 def main() -> None:
@@ -169,7 +185,11 @@ def main() -> None:
                           "failures": metrics.get("env/errors", 0.0) + metrics.get("env/timeouts", 0.0)})
         sampled = sum(int(m.sum()) for m in out.response_masks)
     if args.profile:
-        profile_call(lambda: generate_turns(model, prompts, turn_cfg, budget, sessions(args, n)), device)
+        profile_call("single-turn", lambda: generate(model, prompts, single_cfg), device, table=False)
+        profile_call("multi-turn", lambda: generate_turns(model, prompts, turn_cfg, budget, sessions(args, n)), device,
+                     table=True)
+        profile_call("loop alone", lambda: generate_turns(model, prompts, single_cfg, args.turns * args.turn_tokens + 1,
+                                                          sessions(args, n, turns=1)), device, table=False)
     # The loop alone: one turn of all the tokens, no environment (its own per-step cost).
     one_turn = dataclasses.replace(single_cfg)
     loop_s, _ = timed(lambda: generate_turns(model, prompts, one_turn, args.turns * args.turn_tokens + 1,
@@ -190,6 +210,7 @@ def main() -> None:
           f"{last['extensions']:.0f} ({last['extend_s'] * 1000:.1f} ms) |")
     print(f"| mean turns, env step (measured), failed steps | {last['turns']:.2f}, {last['env_step_s'] * 1000:.1f} ms, "
           f"{last['failures']:.0f} |")
+    print(f"| host waiting for decode steps (device-bound share of the call) | {last['device_wait_s']:.3f} s |")
     print(f"| GPU idle: all waiting, total / longest gap | {last['wait_s'] * 1000:.1f} / "
           f"{last['max_wait_s'] * 1000:.1f} ms |")
     print(f"| max logprob diff, loop vs fresh forward (8 rows) | {error:.4f} |")

@@ -249,8 +249,12 @@ class CacheExtension:
 
     rows: int64 [b] the cache rows extended, in the batch's sequence order; starts: int64 [b]
     their lengths before the extension; new_lengths: int64 [b] the tokens each gets; span: the
-    longest row after it (a host int). Attention gathers each row's history token-major once per
-    layer and runs `attention_over_history` (one fused varlen call on CUDA).
+    longest row after it (a host int). On CUDA in fp16/bf16, attention reads each row's history in
+    place: FlashAttention's varlen kernel takes a key tensor with any token and head strides and,
+    with `seqused_k`, a start and a length per sequence, so a strided view of the head-major cache
+    (row r's tokens starting at element r * Hkv * L * D, token stride D, head stride L * D) serves
+    as the packed keys without a copy. Elsewhere (CPU, float32, or a build whose kernel refuses the
+    view) each row's history is gathered token-major once per layer for `attention_over_history`.
     """
 
     prefilled = False
@@ -266,6 +270,14 @@ class CacheExtension:
         self.key_rows = torch.repeat_interleave(rows, key_lengths, output_size=total)
         first = torch.repeat_interleave(self.cu_k[:-1].long(), key_lengths, output_size=total)
         self.key_slots = torch.arange(total, device=rows.device) - first
+        # For the in-place read: where each row starts in the cache viewed as tokens of stride D
+        # (int32 [b+1]; the last entry closes the last row) and its key count int32 [b].
+        slab = cache.max_len * next(iter(cache.k.values())).shape[1] if cache.k else 0
+        self.row_starts = torch.zeros(len(rows) + 1, dtype=torch.int32, device=rows.device)
+        self.row_starts[:-1] = (rows * slab).to(torch.int32)
+        self.row_starts[-1] = self.row_starts[-2] + key_lengths[-1].to(torch.int32) if len(rows) else 0
+        self.key_counts = key_lengths.to(torch.int32)
+        self.in_place = True  # cleared for the call when the kernel refuses the strided view
 
     def fused_qkv(self, layer: int) -> None:
         return None  # the [q; k; v] concatenation serves decode steps only
@@ -277,6 +289,13 @@ class CacheExtension:
         cache_k, cache_v = self.cache.k[layer], self.cache.v[layer]
         cache_k[self.rows[seq], :, pos] = k.to(cache_k.dtype)
         cache_v[self.rows[seq], :, pos] = v.to(cache_v.dtype)
+        if self.in_place and kv_index is None and q.is_cuda and q.dtype == cache_k.dtype \
+                and q.dtype in (torch.float16, torch.bfloat16):
+            out = attend_rows_in_place(q, cache_k, cache_v, batch.cu_seqlens, self.row_starts, self.key_counts,
+                                       batch.max_seqlen, self.span, sliding_window)
+            if out is not None:
+                return out
+            self.in_place = False
         # Each row's history, new tokens included, packed token-major: [T_k, Hkv, D].
         keys = cache_k[self.key_rows, :, self.key_slots].to(q.dtype)
         values = cache_v[self.key_rows, :, self.key_slots].to(q.dtype)
@@ -289,6 +308,31 @@ class CacheExtension:
         self.cache.step_masks.clear()  # the lengths moved
 
 
+def attend_rows_in_place(q: Tensor, cache_k: Tensor, cache_v: Tensor, cu_q: Tensor, row_starts: Tensor,
+                         key_counts: Tensor, max_q: int, max_k: int, sliding_window: int | None) -> Tensor | None:
+    """Causal attention of packed new tokens q [T_q, Hq, D] over their rows of a head-major cache
+    [B, Hkv, L, D] (new tokens already written), read in place; None when this build's
+    FlashAttention op refuses the arguments (the caller gathers then).
+
+    The cache is viewed as tokens of stride D: token t, head h at element t * D + h * L * D, so row
+    r's slot j is token r * Hkv * L + j (`row_starts`), and `key_counts` (seqused_k) says how many
+    of its tokens are keys; queries align with the last keys (bottom-right causal). Distinct
+    (token, head) pairs of the view may alias the same element; only each row's own slots are read.
+    """
+    n_seqs, n_kv, max_len, head_dim = cache_k.shape
+    tokens = n_seqs * n_kv * max_len - (n_kv - 1) * max_len  # the last row's head 0 ends the view
+    shape, strides = (tokens, n_kv, head_dim), (head_dim, max_len * head_dim, 1)
+    keys, values = cache_k.as_strided(shape, strides), cache_v.as_strided(shape, strides)
+    left = sliding_window - 1 if sliding_window is not None else None
+    try:
+        out = torch.ops.aten._flash_attention_forward(
+            q, keys, values, cu_q, row_starts, max_q, max_k, 0.0, True, False, scale=head_dim**-0.5,
+            window_size_left=left, window_size_right=0, seqused_k=key_counts)
+    except (RuntimeError, TypeError):
+        return None
+    return out[0]
+
+
 def extension_batch(new_ids: list[Tensor], starts: list[int], device: torch.device) -> tuple[Tensor, PackedBatch]:
     """Packed new tokens of some sequences and their boundaries, positions starting at each
     sequence's current length (`starts`) rather than 0."""
@@ -299,5 +343,5 @@ def extension_batch(new_ids: list[Tensor], starts: list[int], device: torch.devi
 
 
 __all__ = [
-    "CacheExtension", "DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "extension_batch", "resolve_decode_kernel",
+    "CacheExtension", "attend_rows_in_place", "DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "extension_batch", "resolve_decode_kernel",
 ]

@@ -53,7 +53,9 @@ class TurnsOutput:
     logprobs[i]: float32 [r_i], sampling logprobs (0 on observations); turns[i]: turns sampled;
     no_eos[i]: the last turn ended without the stop token; length_cut[i]: the budget ended it.
     stats: loop counters (decode steps, observation prefills and their device seconds, seconds
-    blocked waiting for answers with no row decoding, in all and the longest such wait).
+    blocked waiting for answers with no row decoding, in all and the longest such wait, and on
+    CUDA the seconds the host waited for each step's sampled tokens: near the call's decode time
+    when the device sets the pace, near zero when the host does).
     """
 
     prompts: list[Tensor]
@@ -221,12 +223,12 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     state = _Trajectories([p.numel() for p in prompts], config, budget)
     draws = _RowDraws(config, len(prompts), budget, device)
-    stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0}
+    stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "device_wait_s": 0.0}
     extensions: list[tuple[object, object]] = []  # device time of each observation prefill
     while state.live():
         rows = state.decoding_rows()
         if len(rows):
-            logits = _decode_step(decode, logits, rows, state, config, draws, tp_group, cache, source)
+            logits = _decode_step(decode, logits, rows, state, config, draws, tp_group, cache, source, stats)
             stats["decode_steps"] += 1
         waited = time.perf_counter()
         idle = not state.decoding.any()
@@ -276,13 +278,13 @@ class _RowDraws:
 
 def _decode_step(decode: DecodeStep, logits: Tensor, rows: np.ndarray, state: _Trajectories,
                  config: GenerationConfig, draws: _RowDraws, tp_group: ProcessGroup | None, cache: object,
-                 source: TurnSource | None) -> Tensor:
+                 source: TurnSource | None, stats: dict[str, float]) -> Tensor:
     """Sample for the decoding rows, feed their tokens (paused rows do not advance), hand the rows
     whose turn ended to the source; returns the next logits [B, V_local].
 
     Order, so the device never waits for the host: the sampled tokens are copied to the host
     (asynchronously) and the next decode step is queued before the host reads them; the host's
-    bookkeeping then runs while the device decodes."""
+    bookkeeping then runs while the device decodes. stats["device_wait_s"] adds the host's wait."""
     device = logits.device
     active = state.active_on(device)  # the rows sampling now
     sampled = sample_tensor_parallel(logits, config.sampling, draws.uniforms(), tp_group)
@@ -298,7 +300,9 @@ def _decode_step(decode: DecodeStep, logits: Tensor, rows: np.ndarray, state: _T
     # Every row's sampled token (the last of an ended turn too) is written to the cache here.
     out = decode(next_input, attend_length(int(state.lengths.max()), 0, config, cache.max_len))
     if copied is not None:
+        waited = time.perf_counter()
         copied.synchronize()  # the copy only: the decode step queued after it keeps running
+        stats["device_wait_s"] += time.perf_counter() - waited
     values = host.numpy()
     ended = state.record(rows, values[0].astype(np.int64), values[1].astype(np.float32))
     for row in ended:

@@ -177,3 +177,34 @@ def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward() -> None:
         mask = out.response_masks[i].bool()
         assert torch.allclose(out.logprobs[i][mask], fresh[i][mask], atol=0.1)  # bf16
     assert sum(out.turns) == 9
+
+
+@pytest.mark.gpu
+def test_observation_prefill_reads_the_cache_in_place() -> None:
+    """On CUDA (bf16): attention of new tokens over their rows of the head-major cache, read in
+    place through a strided view (FlashAttention with seqused_k), equals attention over the same
+    rows' history gathered token-major; rows out of order, GQA (4 query heads per KV head)."""
+    from actors.engine.attention import attention_over_history
+    from actors.generation.kv_cache import attend_rows_in_place
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    n_seqs, n_kv, max_len, head_dim, group = 6, 2, 96, 64, 4
+    cache_k = torch.randn(n_seqs, n_kv, max_len, head_dim, device=device, dtype=dtype)
+    cache_v = torch.randn_like(cache_k)
+    rows = torch.tensor([4, 1, 5], device=device)
+    key_counts = torch.tensor([70, 33, 96], device=device)  # history + new tokens per row
+    new = [5, 1, 12]
+    cu_q = torch.tensor([0, 5, 6, 18], dtype=torch.int32, device=device)
+    q = torch.randn(18, n_kv * group, head_dim, device=device, dtype=dtype)
+    starts = torch.zeros(4, dtype=torch.int32, device=device)
+    starts[:-1] = (rows * n_kv * max_len).to(torch.int32)
+    starts[-1] = starts[-2] + key_counts[-1].to(torch.int32)
+    out = attend_rows_in_place(q, cache_k, cache_v, cu_q, starts, key_counts.to(torch.int32), max(new), 96, None)
+    assert out is not None, "this build's FlashAttention refused the in-place view"
+    keys = torch.cat([cache_k[r, :, :n].transpose(0, 1) for r, n in zip(rows.tolist(), key_counts.tolist())])
+    values = torch.cat([cache_v[r, :, :n].transpose(0, 1) for r, n in zip(rows.tolist(), key_counts.tolist())])
+    cu_k = torch.zeros(4, dtype=torch.int32, device=device)
+    cu_k[1:] = torch.cumsum(key_counts, 0).to(torch.int32)
+    expected = attention_over_history(q, keys, values, cu_q, cu_k, max(new), 96)
+    assert torch.allclose(out.float(), expected.float(), atol=2e-2)
