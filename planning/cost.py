@@ -16,7 +16,9 @@ FLOPs); sampling every step; plus the communication each parallel dimension impl
 * dp (train): ZeRO-1 gradient reduce-scatter + parameter all-gather per optimizer step, over
   NVLink or the NIC depending on whether the dp group spans nodes.
 
-Memory: bf16 weights, fp32 gradients while training, fp32 master + Adam m, v (12 bytes/param) sharded over dp,
+Memory: bf16 weights, fp32 gradients while training, fp32 master + Adam m, v (12 bytes/param) sharded over dp
+(the `PlanningProblem.optimizer_offload` fraction of it in host memory instead, streamed through the
+GPU for each optimizer step at `HardwareSpec.host_bw`: `planning.offload`),
 activations of the micro-batches in flight (no recomputation), KV cache for generation. A call
 that does not fit is infeasible (with a reason), never merely slow. Each call has memory
 levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (enough for the
@@ -41,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
     SAMPLING_BYTES_PER_LOGIT,
     CallGeometry,
@@ -51,23 +54,19 @@ from planning.cost_terms import (
     call_geometry,
     inference_bytes_per_token_layer,
     reduce_scatter_s,
+    sampling_s,
 )
-from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.dataflow import MFC, ROLES, Graph
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
-from planning.plan import CallExecution, Placement, check_execution_kind
+from planning.offload import check_fractions, normalized, optimizer_parts
+from planning.plan import CallExecution, ExecutionPlan, Placement, check_execution_kind
 
 # Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
 MAX_MICRO_TOKENS = 16384
-# Bytes of optimizer state per parameter: fp32 master weights + Adam m and v.
-OPTIMIZER_BYTES_PER_PARAM = 12
 # HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
 # (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
 OPTIMIZER_TRAFFIC_PER_PARAM = 28
-# HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
-# sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
-SAMPLING_PASSES = 8
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,10 @@ class PlanningProblem:
     efficiency: OpEfficiency = field(default_factory=OpEfficiency)
     memory_margin: float = 0.0  # fraction of each GPU's memory no plan may use
     memory_scale: float = 1.0  # multiplies the transient bytes (calibrated from measured peaks)
+    # (role, fraction) of each trained role's optimizer state kept in host memory (planning.offload).
+    optimizer_offload: tuple[tuple[str, float], ...] = ()
+    # Whether search_plan may choose an offload when no plan fits without it (False: exactly the above).
+    auto_offload: bool = True
 
     def __post_init__(self) -> None:
         for role in self.models:
@@ -104,6 +107,22 @@ class PlanningProblem:
             raise ValueError(f"PlanningProblem.memory_margin={self.memory_margin}: must be in [0, 1)")
         if not self.memory_scale > 0.0:
             raise ValueError(f"PlanningProblem.memory_scale={self.memory_scale}: must be > 0")
+        check_fractions("PlanningProblem.optimizer_offload", self.optimizer_offload, self.graph.trained_roles)
+
+    def offload_fraction(self, role: str) -> float:
+        """Fraction of `role`'s optimizer state in host memory (0.0: all on its GPUs)."""
+        return dict(self.optimizer_offload).get(role, 0.0)
+
+    def with_offload(self, fractions: dict[str, float]) -> PlanningProblem:
+        """This problem with exactly these offload fractions (roles at 0 left out)."""
+        return replace(self, optimizer_offload=normalized(fractions))
+
+    def for_plan(self, plan: ExecutionPlan) -> PlanningProblem:
+        """This problem with `plan`'s offload: a plan carries the offload it runs with, so its
+        costs (simulate, reports) are always priced with that one."""
+        if plan.optimizer_offload == self.optimizer_offload:
+            return self
+        return replace(self, optimizer_offload=plan.optimizer_offload)
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -122,6 +141,7 @@ class CallCost:
     breakdown: dict[str, float]
     reason: str = ""
     execution: CallExecution | None = None  # the micro-batching / rounds this cost assumes
+    host_bytes: float = 0.0  # per GPU, optimizer state in pinned host memory (never in mem_bytes)
 
 
 def rlhf_problem(
@@ -190,10 +210,11 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
     splits = [(split_of(mfc, seqs, e), e) for e in executions]
     levels = []
     for split, level_execution in splits:
+        host = 0.0
         if mfc.kind == "generate":
             parts = _generate(mfc, geo, layout, links, seqs, split)
         else:
-            parts = _forward_backward(mfc, geo, layout, links, seqs, split)
+            parts, host = _forward_backward(mfc, geo, layout, links, seqs, split, problem.offload_fraction(mfc.role))
         for key in _TRANSIENT_KEYS:
             if key in parts:
                 parts[key] *= problem.memory_scale
@@ -201,7 +222,7 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
         time_s = sum(v for k, v in parts.items() if k.endswith("_s")) * mfc.expected_runs
         mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         reason = "" if mem <= problem.mem_limit_bytes else _too_big(problem, mem, problem.mem_limit_bytes)
-        levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution))
+        levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution, host))
     return levels
 
 
@@ -291,10 +312,11 @@ def _pass_time(
 
 
 def _forward_backward(
-    mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, n_micro: int,
-) -> dict[str, float]:
+    mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, n_micro: int, offload: float = 0.0,
+) -> tuple[dict[str, float], float]:
     """Inference (one forward) or training (forward + backward + optimizer per minibatch) of
-    `seqs` sequences per replica in `n_micro` micro-batches."""
+    `seqs` sequences per replica in `n_micro` micro-batches, and the host bytes per GPU (the
+    `offload` fraction of the optimizer state, planning.offload)."""
     train = mfc.kind == "train"
     seq_len = mfc.batch.seq_len
     tokens = seqs * seq_len
@@ -319,20 +341,10 @@ def _forward_backward(
         shard = geo.stage_params / layout.dp
         parts["optimizer_s"] = steps * (shard * OPTIMIZER_TRAFFIC_PER_PARAM / links.opt_hbm + links.hw.kernel_overhead_s)
         parts["grad_bytes"] = grad_bytes
-        parts["optimizer_bytes"] = OPTIMIZER_BYTES_PER_PARAM * shard
-    return parts
-
-
-def _sampling_s(vocab: int, rows: float, tp: int, links: Links) -> float:
-    """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
-    under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
-    and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
-    samples over [rows, vocab] fp32 logits: softmax, sort for top-p and cumsum, modelled as
-    SAMPLING_PASSES read+write sweeps of HBM (small, but never zero)."""
-    comm = 0.0
-    if tp > 1:
-        comm = links.lat + (tp - 1) * rows * vocab / tp * 2 / links.tp_bw + 3 * links.lat
-    return comm + SAMPLING_PASSES * 2 * rows * vocab * 4 / links.hbm + links.hw.kernel_overhead_s
+        optimizer, host = optimizer_parts(shard, offload, links.hw.host_bw, steps)
+        parts.update(optimizer)
+        return parts, host
+    return parts, 0.0
 
 
 def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, rounds: int) -> dict[str, float]:
@@ -362,7 +374,7 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     steps = traj.decode_steps
     parts["decode_s"] = steps * slots * per_mb_stage
     # The last stage samples every micro-batch every step; it is then the busiest stage.
-    parts["sampling_s"] = steps * slots * _sampling_s(spec.vocab_size, mb, layout.tp, links)
+    parts["sampling_s"] = steps * slots * sampling_s(spec.vocab_size, mb, layout.tp, links)
     parts["kernel_overhead_s"] = parts.get("kernel_overhead_s", 0.0) + steps * slots * geo.stage_layers * links.hw.kernel_overhead_s
     parts["tp_comm_s"] = parts.get("tp_comm_s", 0.0) + steps * slots * tp_s
     if layout.pp > 1:

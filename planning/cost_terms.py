@@ -33,6 +33,9 @@ ENTROPY_LOGIT_BYTES = 16
 # Bytes per [row, vocab] logit while sampling a step: gathered bf16 logits, fp32 scaled and
 # sorted values, int64 sort indices, fp32 cumulative probabilities (top-k/top-p; less without).
 SAMPLING_BYTES_PER_LOGIT = 22
+# HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
+# sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
+SAMPLING_PASSES = 8
 
 
 @dataclass(frozen=True)
@@ -244,3 +247,14 @@ def p2p_bandwidth(hw: HardwareSpec, mesh_size: int, gpus_per_node: int) -> float
     """Neighbouring stages are dp*tp GPUs apart: some boundary crosses a node once the mesh does."""
     return hw.inter_node_bw if mesh_size > gpus_per_node else hw.intra_node_bw
 
+
+def sampling_s(vocab: int, rows: float, tp: int, links: Links) -> float:
+    """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
+    under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
+    and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
+    samples over [rows, vocab] fp32 logits: softmax, sort for top-p and cumsum, modelled as
+    SAMPLING_PASSES read+write sweeps of HBM (small, but never zero)."""
+    comm = 0.0
+    if tp > 1:
+        comm = links.lat + (tp - 1) * rows * vocab / tp * 2 / links.tp_bw + 3 * links.lat
+    return comm + SAMPLING_PASSES * 2 * rows * vocab * 4 / links.hbm + links.hw.kernel_overhead_s

@@ -24,6 +24,11 @@ class HardwareSpec:
     inter_node_bw: bytes/s one GPU sends to a GPU of another node (its NIC share).
     collective_latency_s: fixed cost of one collective or p2p message.
     kernel_overhead_s: fixed cost per layer per step (launches, small kernels).
+    host_bw: bytes/s between pinned host memory and one GPU, per direction (PCIe is full duplex:
+        both directions at once each get this). Optimizer offload streams through it.
+    host_mem_bytes: host RAM per GPU a plan may fill (node RAM / GPUs of the node, before the
+        reserve for Ray and the worker processes: `planning.offload.host_capacity_bytes`). The
+        GPUs of a node share their node's RAM: the planner checks the sum per node.
     """
 
     name: str
@@ -34,6 +39,8 @@ class HardwareSpec:
     inter_node_bw: float
     collective_latency_s: float = 10e-6
     kernel_overhead_s: float = 20e-6
+    host_bw: float = 25e9
+    host_mem_bytes: float = 128 * GiB
 
     def with_profile(self, path: str | Path) -> HardwareSpec:
         """Copy of this spec with the fields a measured profile JSON provides."""
@@ -50,24 +57,34 @@ class HardwareSpec:
         return asdict(self)
 
 
+# Host links and RAM (host_bw, host_mem_bytes): PCIe Gen4 x16 moves about 25 GB/s per direction
+# with pinned memory, Gen5 x16 about 50 GB/s. Host RAM per GPU is node RAM / 8 for the vendors'
+# 8-GPU servers (DGX A100: 1 TiB, DGX H100/H200: 2 TiB), except for h200-141g (see there). A
+# profile (`python -m app profile`: pinned copies, physical RAM / visible GPUs) replaces both.
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "a100-80g": HardwareSpec(
         name="a100-80g", peak_flops=312e12 * 0.75, hbm_bw=2.0e12 * 0.85, mem_bytes=80 * GiB * 0.92,
-        intra_node_bw=240e9, inter_node_bw=25e9,
+        intra_node_bw=240e9, inter_node_bw=25e9, host_bw=25e9, host_mem_bytes=128 * GiB,
     ),
     "h100-80g": HardwareSpec(
         name="h100-80g", peak_flops=989e12 * 0.75, hbm_bw=3.35e12 * 0.85, mem_bytes=80 * GiB * 0.92,
-        intra_node_bw=360e9, inter_node_bw=50e9,
+        intra_node_bw=360e9, inter_node_bw=50e9, host_bw=50e9, host_mem_bytes=256 * GiB,
     ),
     # Measured on the lent H200s: bf16 matmul 785 TFLOP/s, HBM copy 4.3 TB/s, NCCL bcast 367 GB/s.
+    # host_bw: pinned copies 54.7 GB/s up, 55.3 down, 47.5 each way at once (2026-12-02,
+    # benchmarks/offload_bench.py; the optimizer streams both ways). host_mem_bytes: the lent one-GPU H200 machine
+    # has 128 GiB of RAM; a DGX H200 has 2 TiB for 8 GPUs (256 GiB each). The preset takes the
+    # smaller, so a plan made with it also runs on the lent machine; profile a bigger host.
     "h200-141g": HardwareSpec(
         name="h200-141g", peak_flops=785e12, hbm_bw=4.3e12, mem_bytes=139 * GiB * 0.95,
-        intra_node_bw=367e9, inter_node_bw=50e9,
+        intra_node_bw=367e9, inter_node_bw=50e9, host_bw=47.5e9, host_mem_bytes=128 * GiB,
     ),
-    # Virtual GPUs of the CPU test setup: gloo over loopback, a few GFLOP/s per worker.
+    # Virtual GPUs of the CPU test setup: gloo over loopback, a few GFLOP/s per worker; "device"
+    # and host memory are the same RAM, so offload is a plain copy.
     "cpu": HardwareSpec(
         name="cpu", peak_flops=20e9, hbm_bw=10e9, mem_bytes=4 * GiB,
         intra_node_bw=1e9, inter_node_bw=1e9, collective_latency_s=200e-6, kernel_overhead_s=50e-6,
+        host_bw=5e9, host_mem_bytes=16 * GiB,
     ),
 }
 

@@ -80,13 +80,54 @@ def check_execution_kind(call: str, kind: str, execution: CallExecution) -> None
         raise ValueError(f"call {call}: a {kind} call takes micro_batch_tokens, not gen_rounds")
 
 
+# Elements of a rank's optimizer slice one offload chunk holds at most: the optimizer streams the
+# host part through two GPU staging sets of (master, m, v) fp32 chunks (2 x 3 x 4 bytes x this =
+# 384 MiB), one in flight while the other is updated. The cost model counts those buffers.
+OFFLOAD_CHUNK_ELEMENTS = 16 * 2**20
+# Chunk starts and the device/host boundary are multiples of this many elements.
+OFFLOAD_ALIGN = 4096
+# A small host part still streams in at least this many chunks, so the staging sets hold at most
+# 2 / OFFLOAD_MIN_CHUNKS of it (one chunk the size of the part would save no GPU memory at all).
+OFFLOAD_MIN_CHUNKS = 8
+
+
+def offload_chunk_elements(host_elements: int) -> int:
+    """Elements per streamed chunk for a host part of `host_elements`: OFFLOAD_CHUNK_ELEMENTS, or
+    fewer for a small part (at least OFFLOAD_MIN_CHUNKS chunks), a multiple of OFFLOAD_ALIGN.
+    The engine streams with it and the cost model prices its staging sets by it."""
+    per_chunk = -(-int(host_elements) // OFFLOAD_MIN_CHUNKS)
+    per_chunk = -(-per_chunk // OFFLOAD_ALIGN) * OFFLOAD_ALIGN
+    return max(OFFLOAD_ALIGN, min(OFFLOAD_CHUNK_ELEMENTS, per_chunk))
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """Placement per call name, in the graph's call order, and the execution chosen for each
-    call (empty until the search or the simulator fills it: `planning.simulate.complete_plan`)."""
+    call (empty until the search or the simulator fills it: `planning.simulate.complete_plan`).
+
+    optimizer_offload: (role, fraction) for each trained role whose optimizer state (fp32 master
+    weights and Adam m, v: 12 bytes per parameter of its dp shard) partly lives in pinned host
+    memory: that fraction of every rank's slice (its tail) stays on the host and is streamed
+    through the GPU in chunks for each optimizer step (actors.engine.optimizer). A role not
+    named keeps all of it on the GPU."""
 
     placements: tuple[tuple[str, Placement], ...]
     executions: tuple[tuple[str, CallExecution], ...] = ()
+    optimizer_offload: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for role, fraction in self.optimizer_offload:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+                raise ValueError(f"ExecutionPlan.optimizer_offload[{role!r}]={fraction!r}: must be in (0, 1]")
+
+    def offload_fraction(self, role: str) -> float:
+        """Fraction of `role`'s optimizer state in host memory (0.0: all on the GPU)."""
+        return dict(self.optimizer_offload).get(role, 0.0)
+
+    def with_offload(self, fractions: dict[str, float]) -> ExecutionPlan:
+        """The same plan with these offload fractions (roles at 0 are left out), in role order."""
+        kept = tuple(sorted((role, float(f)) for role, f in fractions.items() if f > 0.0))
+        return ExecutionPlan(self.placements, self.executions, kept)
 
     def __getitem__(self, name: str) -> Placement:
         for call, placement in self.placements:
@@ -110,10 +151,11 @@ class ExecutionPlan:
         unknown = sorted(set(executions) - set(names))
         if unknown:
             raise ValueError(f"executions for calls {unknown}: not in the plan ({names})")
-        return ExecutionPlan(self.placements, tuple((n, executions[n]) for n in names if n in executions))
+        return ExecutionPlan(self.placements, tuple((n, executions[n]) for n in names if n in executions),
+                             self.optimizer_offload)
 
     def without_executions(self) -> ExecutionPlan:
-        return ExecutionPlan(self.placements)
+        return ExecutionPlan(self.placements, optimizer_offload=self.optimizer_offload)
 
     @staticmethod
     def from_dict(placements: dict[str, Placement], executions: dict[str, CallExecution] | None = None) -> ExecutionPlan:

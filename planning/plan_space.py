@@ -7,7 +7,10 @@ indices, one per call. `call_levels` gives each call the fastest level that fits
 resident weights on its GPUs, and `schedule` runs the list schedule of `planning.simulate`
 with those durations, with no object creation beyond a few floats and lists. Call costs are cached by
 (call, mesh size, layout), since the cost model does not depend on where a mesh starts, and
-reallocation times by (role, source, destination) up to a shift by whole nodes.
+reallocation times by (role, source, destination) up to a shift by whole nodes
+(`planning.plan_caches`). With optimizer offload, the host bytes of each trained role's train
+mesh must fit its nodes' host memory (`planning.offload.node_host_excess`), a memory excess like
+a GPU's.
 
 Schedule (see `planning.simulate` for the contract): calls are dispatched in
 `Graph.dispatch_order` (iteration after iteration in graph order when on-policy; with bounded
@@ -22,10 +25,10 @@ from __future__ import annotations
 
 import math
 
-from planning.cost import CallCost, PlanningProblem, call_cost, call_cost_levels
+from planning.cost import PlanningProblem
+from planning.offload import node_host_excess
 from planning.plan import CallExecution, Placement
-from planning.realloc_estimate import approx_realloc_s
-from planning.realloc_plan import estimate_realloc_s
+from planning.plan_caches import CallCostCache, ReallocCache
 
 # A record of one scheduled task: (name, kind, iteration, gpu bitmask, start_s, end_s).
 TaskRecord = tuple[str, str, int, int, float, float]
@@ -54,67 +57,6 @@ def fullest_resident(static: list[tuple[int, int, float]], lo: int, hi: int) -> 
         if total > resident:
             resident = total
     return resident
-
-
-class ReallocCache:
-    """Reallocation seconds per (role, source, destination), shared across plan spaces.
-
-    exact=True asks `realloc_plan.estimate_realloc_s` (plans the transfers: what the simulator
-    reports); exact=False the closed form `realloc_estimate.approx_realloc_s` (what the search
-    ranks with). A plan is a function of node membership and GPU order only, so shifting both
-    placements by the same number of whole nodes gives the same time: the key is taken
-    relative to the first node either placement touches.
-    """
-
-    def __init__(self, problem: PlanningProblem, exact: bool = True) -> None:
-        self._problem = problem
-        self.exact = exact
-        self._seconds: dict[tuple, float | str] = {}
-
-    def seconds(self, role: str, src: Placement, dst: Placement) -> float | str:
-        """Seconds to move `role`'s weights from `src` to `dst`, or why it cannot be done."""
-        m = src.mesh.gpus_per_node
-        base = min(src.mesh.start, dst.mesh.start) // m * m
-        key = (role, src.layout, src.mesh.size, src.mesh.start - base, dst.layout, dst.mesh.size, dst.mesh.start - base)
-        found = self._seconds.get(key)
-        if found is None:
-            model = self._problem.models[role]
-            if not self.exact:
-                found = approx_realloc_s(model.spec, model.critic, src, dst, self._problem.cluster)
-            else:
-                try:
-                    found = estimate_realloc_s(model.spec, model.critic, src, dst, self._problem.cluster)
-                except ValueError as err:
-                    found = str(err)
-            self._seconds[key] = found
-        return found
-
-
-class CallCostCache:
-    """`call_cost` (whole GPU free) and `call_cost_levels` per (call, mesh size, layout, pinned
-    execution): the position of a mesh does not change them."""
-
-    def __init__(self, problem: PlanningProblem) -> None:
-        self._problem = problem
-        self._costs: dict[tuple, CallCost] = {}
-        self._levels: dict[tuple, list[CallCost]] = {}
-
-    def cost(self, call: str, placement: Placement) -> CallCost:
-        key = (call, placement.mesh.size, placement.layout)
-        found = self._costs.get(key)
-        if found is None:
-            found = call_cost(self._problem, self._problem.graph.mfc(call), placement)
-            self._costs[key] = found
-        return found
-
-    def levels(self, call: str, placement: Placement, execution: CallExecution | None = None) -> list[CallCost]:
-        """Every level, or only the one `execution` names."""
-        key = (call, placement.mesh.size, placement.layout, execution)
-        found = self._levels.get(key)
-        if found is None:
-            found = call_cost_levels(self._problem, self._problem.graph.mfc(call), placement, execution)
-            self._levels[key] = found
-        return found
 
 
 class PlanSpace:
@@ -166,7 +108,9 @@ class PlanSpace:
         # call c (-1: none), so that `call_levels` tells a reallocated copy by comparing ints.
         self.twin = [same_placement(cands, self.candidates[h]) if h >= 0 else []
                      for h, cands in zip(self.home, self.candidates)]
-        self._resident_memo: dict[tuple[int, ...], tuple[list[tuple[int, int, float]], dict[tuple[int, int], float]]] = {}
+        self._resident_memo: dict[tuple[int, ...], tuple[list[tuple[int, int, float]], dict[tuple[int, int], float],
+                                                          float]] = {}
+        self.offloads = any(b > 0 for row in self.host for b in row)  # any host bytes to check
 
     # ---- precomputation --------------------------------------------------------------------------
     def _precompute(self) -> None:
@@ -177,6 +121,7 @@ class PlanSpace:
         self.hi: list[list[int]] = []
         self.weights: list[list[float]] = []  # bf16 weights per GPU
         self.optimizer: list[list[float]] = []  # optimizer state per GPU (train calls)
+        self.host: list[list[float]] = []  # optimizer state per GPU in host memory (offloading train calls)
         self.level_bytes: list[list[list[float]]] = []  # transient: beyond resident weights + optimizer
         self.level_s: list[list[list[float]]] = []
         self.level_exec: list[list[list[CallExecution | None]]] = []
@@ -187,12 +132,13 @@ class PlanSpace:
             self.mask.append([((1 << p.mesh.size) - 1) << p.mesh.start for p in cands])
             self.lo.append([p.mesh.start for p in cands])
             self.hi.append([p.mesh.start + p.mesh.size for p in cands])
-            weights, optimizer, level_bytes, level_s, level_exec, reasons = [], [], [], [], [], []
+            weights, optimizer, host, level_bytes, level_s, level_exec, reasons = [], [], [], [], [], [], []
             for p in cands:
                 levels = self.costs.levels(name, p, pinned)
                 resident = levels[0].breakdown.get("weights_bytes", 0.0) + levels[0].breakdown.get("optimizer_bytes", 0.0)
                 weights.append(levels[0].breakdown.get("weights_bytes", 0.0))
                 optimizer.append(levels[0].breakdown.get("optimizer_bytes", 0.0))
+                host.append(levels[0].host_bytes)
                 pareto: list[tuple[float, float, CallExecution | None]] = []
                 for level in sorted(levels, key=lambda c: (c.mem_bytes, c.time_s)):
                     if math.isfinite(level.time_s) and (not pareto or level.time_s < pareto[-1][1]):
@@ -204,6 +150,7 @@ class PlanSpace:
                 level_exec.append([e for _, _, e in pareto])
             self.weights.append(weights)
             self.optimizer.append(optimizer)
+            self.host.append(host)
             self.level_bytes.append(level_bytes)
             self.level_s.append(level_s)
             self.level_exec.append(level_exec)
@@ -241,15 +188,26 @@ class PlanSpace:
                     static.append((self.lo[c][k], self.hi[c][k], self.weights[c][k]))
         return static
 
-    def _residents(self, state: list[int]) -> tuple[list[tuple[int, int, float]], dict[tuple[int, int], float]]:
-        """`resident_terms(state)` and a memo of fullest-GPU resident bytes per GPU range, shared
-        by every state with the same resident placements (cleared past RESIDENT_MEMO_SIZE)."""
+    def host_excess(self, state: list[int]) -> tuple[float, str]:
+        """(bytes by which the fullest node's host memory overflows, <= 0 when it fits; why):
+        the offloaded optimizer state of each trained role on its train mesh's GPUs, per node."""
+        if not self.offloads:
+            return -math.inf, ""
+        terms = [(self.lo[c][k], self.hi[c][k], self.host[c][k], self.roles[c])
+                 for c, k in enumerate(state) if self.is_home[c] and self.host[c][k] > 0]
+        cluster = self.problem.cluster
+        return node_host_excess(terms, cluster.gpus_per_node, cluster.hardware)
+
+    def _residents(self, state: list[int]) -> tuple[list[tuple[int, int, float]], dict[tuple[int, int], float], float]:
+        """`resident_terms(state)`, a memo of fullest-GPU resident bytes per GPU range and the
+        host memory excess (`host_excess`), shared by every state with the same resident
+        placements (cleared past RESIDENT_MEMO_SIZE)."""
         key = tuple([state[c] for c in self._resident_calls])
         found = self._resident_memo.get(key)
         if found is None:
             if len(self._resident_memo) >= RESIDENT_MEMO_SIZE:
                 self._resident_memo.clear()
-            found = self._resident_memo[key] = (self.resident_terms(state), {})
+            found = self._resident_memo[key] = (self.resident_terms(state), {}, self.host_excess(state)[0])
         return found
 
     def call_levels(self, state: list[int], picks: list[int] | None = None,
@@ -257,14 +215,14 @@ class PlanSpace:
         """(seconds per call, transient bytes per call, worst memory excess). Each call takes its
         fastest level that fits beside the resident bytes of its GPUs (plus its own reallocated
         weights when it runs away from its train placement); a call with no fitting level takes
-        its leanest and the excess says by how much the plan overflows (<= 0: it fits).
+        its leanest and the excess says by how much the plan overflows (<= 0: it fits), on a GPU
+        or in a node's host memory (offloaded optimizer state, `host_excess`).
         picks / peaks, when given, receive each call's level index and its estimated peak bytes
         on its fullest GPU (resident + own copy + transient)."""
-        static, fullest = self._residents(state)
+        static, fullest, excess = self._residents(state)
         limit = self.mem_limit
         seconds: list[float] = []
         transient: list[float] = []
-        excess = -math.inf
         for c, k in enumerate(state):
             lo, hi = self.lo[c][k], self.hi[c][k]
             resident = fullest.get((lo, hi))
@@ -328,9 +286,12 @@ class PlanSpace:
         return self.schedule(state, seconds, record)
 
     def _memory_reason(self, state: list[int]) -> str:
-        """Which call overflows its GPU, by its estimated peak against the usable memory."""
+        """Which call overflows its GPU, by its estimated peak against the usable memory (or,
+        when every GPU fits, which node's host memory the offloaded optimizer state overflows)."""
         peaks = self.call_peak_bytes(state)
         c = max(range(len(peaks)), key=lambda i: peaks[i])
+        if peaks[c] <= self.mem_limit:
+            return f"host memory overflows: {self.host_excess(state)[1]}"
         hw = self.problem.cluster.hardware
         margin = f", {self.problem.memory_margin:.0%} kept free" if self.problem.memory_margin else ""
         return (f"peak memory exceeds the GPU: call {self.names[c]} needs an estimated {peaks[c] / 2**30:.2f} GiB per "

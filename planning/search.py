@@ -22,6 +22,12 @@
   with one shared 3D layout, the best such layout that fits.
 * manual: evaluates the given plan (ValueError naming the reason when it does not fit).
 
+Optimizer offload (`planning.offload_search`): every mode first plans with all optimizer state
+on the GPUs; only when no plan fits does it offload, the least fraction that makes one fit
+(`PlanningProblem.auto_offload`; a problem or manual plan that names fractions keeps them). The
+returned plans carry it (`ExecutionPlan.optimizer_offload`). "No plan fits" is an
+`InfeasiblePlanError` (a ValueError).
+
 Every returned plan names each call's execution (micro-batch token budget or generation
 rounds): the level the simulator picks for it, or, in a manual plan, the one given. `start`
 adds a plan (e.g. the one a run is executing, when it re-plans) as candidates and a starting
@@ -40,11 +46,12 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planning.candidates import CandidateOptions, call_candidates
 from planning.cost import PlanningProblem
 from planning.layout import Layout
+from planning.offload_search import InfeasiblePlanError, with_least_offload
 from planning.plan import ExecutionPlan, Placement
 from planning.plan_space import CallCostCache, PlanSpace, ReallocCache
 from planning.simulate import complete_plan, plan_space_for, with_default_placements
@@ -96,7 +103,8 @@ def symmetric_baseline(problem: PlanningProblem, iterations: int = 3) -> tuple[E
         elif best is None or seconds < best[0]:
             best = (seconds, k)
     if best is None:
-        raise ValueError(f"symmetric baseline: no layout of the full {cluster.n_gpus}-GPU mesh fits ({'; '.join(reasons[:3])})")
+        raise InfeasiblePlanError(f"symmetric baseline: no layout of the full {cluster.n_gpus}-GPU mesh fits "
+                                  f"({'; '.join(reasons[:3])})")
     placement = options[best[1]]
     plan = ExecutionPlan(tuple((m.name, placement) for m in problem.graph.mfcs))
     executions = space.executions([best[1]] * len(problem.graph.mfcs))
@@ -113,13 +121,31 @@ def search_plan(
 
     space_type: the evaluator of the search and exhaustive modes; a subclass can relax the model
     for what-if bounds (benchmarks/search_bench.py's relaxed bound). The baseline always uses
-    PlanSpace itself. start: a plan the search and exhaustive modes also consider and start from."""
+    PlanSpace itself. start: a plan the search and exhaustive modes also consider and start from.
+    The returned plan carries the optimizer offload chosen (module docstring); a manual plan's own
+    offload, when it names one, is kept as it is."""
     if mode not in MODES:
         raise ValueError(f"search mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
     if seconds <= 0:
         raise ValueError(f"seconds={seconds}: the search budget must be positive")
     if (mode == "manual") != (manual is not None):
         raise ValueError("mode='manual' needs `manual` (an ExecutionPlan), and only it takes one")
+    if manual is not None and manual.optimizer_offload:
+        problem = replace(problem.with_offload(dict(manual.optimizer_offload)), auto_offload=False)
+
+    def at_offload(p: PlanningProblem, budget: float) -> SearchResult:
+        given = manual.with_offload(dict(p.optimizer_offload)) if manual is not None else None
+        return _search_at(p, mode, budget, seed, given, options, max_steps, iterations, space_type, start)
+
+    return with_least_offload(problem, at_offload, seconds, mode)
+
+
+def _search_at(
+    problem: PlanningProblem, mode: str, seconds: float, seed: int, manual: ExecutionPlan | None,
+    options: CandidateOptions | None, max_steps: int | None, iterations: int, space_type: type[PlanSpace],
+    start: ExecutionPlan | None,
+) -> SearchResult:
+    """`search_plan` at the problem's optimizer offload; InfeasiblePlanError when nothing fits."""
     begin = time.perf_counter()
     try:
         baseline_plan, baseline_s = symmetric_baseline(problem, iterations)
@@ -137,7 +163,7 @@ def search_plan(
         space = plan_space_for(problem, manual, iterations)
         seconds_per_iter, reason = space.evaluate([0] * len(space.names))
         if reason:
-            raise ValueError(f"manual plan is infeasible: {reason}")
+            raise InfeasiblePlanError(f"manual plan is infeasible: {reason}")
         return SearchResult(complete_plan(problem, manual), seconds_per_iter, baseline_plan, baseline_s,
                             time.perf_counter() - begin, 1, ((time.perf_counter() - begin, seconds_per_iter),))
     costs = CallCostCache(problem)
@@ -145,7 +171,10 @@ def search_plan(
     for given in (baseline_plan, start):
         for name, p in (given.placements if given is not None else ()):
             extra.setdefault(name, []).append(p)
-    candidates = call_candidates(problem, costs, options, extra)
+    try:
+        candidates = call_candidates(problem, costs, options, extra)
+    except ValueError as exc:  # a call that fits nowhere
+        raise InfeasiblePlanError(str(exc)) from None
     # Rank with the closed-form reallocation estimate, then re-score the best with the exact one.
     fast = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=False))
     exact = space_type(problem, candidates, iterations, costs, ReallocCache(problem, exact=True))
@@ -159,7 +188,7 @@ def search_plan(
     if state is None:
         # Name what stops the plan every call would pick alone (its calls' memory, a reallocation).
         _, reason = exact.evaluate(_initial_states(exact)[0])
-        raise ValueError(f"search found no feasible plan among {evaluated} evaluated (memory or reallocation "
+        raise InfeasiblePlanError(f"search found no feasible plan among {evaluated} evaluated (memory or reallocation "
                          f"limits); each call's fastest placement: {reason or 'feasible alone'}")
     history.append((time.perf_counter() - begin, best_s))
     plan = ExecutionPlan(tuple((name, candidates[c][k]) for c, (name, k) in enumerate(zip(exact.names, state))))

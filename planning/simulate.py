@@ -17,17 +17,25 @@ Model (the same one the search optimises, through `planning.plan_space.PlanSpace
 * Steady-state iteration time = (end of the last iteration - end of the first) / (n - 1): the
   first iteration carries the pipeline fill, later ones show cross-iteration overlap. With
   staleness k, k more iterations are scheduled so that generation running ahead is in the window.
-* Memory per GPU = resident bytes (each trained role's weights + optimizer shard on its train
-  mesh; each never-trained role's weights on every placement it runs on) + the largest
+* Memory per GPU = resident bytes (each trained role's weights + the GPU part of its optimizer
+  shard on its train mesh; each never-trained role's weights on every placement it runs on) + the largest
   transient of the calls on that GPU (activations, gradients, KV cache, and the weights of a
   reallocated copy). Each call runs at the fastest of its memory levels (more micro-batches,
   or generation in more rounds: `planning.cost.call_cost_levels`) that fits beside the
   resident bytes of its GPUs, so a crowded GPU makes a call slower before it makes the plan
   infeasible. A plan where even the leanest level does not fit is infeasible.
+* Optimizer offload (`ExecutionPlan.optimizer_offload`, priced by `planning.offload`): the plan
+  says which fraction of each trained role's optimizer state lives in pinned host memory. The
+  train call holds only the rest on its GPUs (plus the staging buffers while it steps) and its
+  time includes streaming the host part through the GPU every optimizer step (`offload_s`, also
+  reported per call in `SimResult.offload_s`). The host parts on a node must fit its host memory
+  (`HardwareSpec.host_mem_bytes` less a reserve): otherwise the plan is infeasible, naming the node.
 
 A plan that names a call's execution (`ExecutionPlan.executions`: its micro-batch token budget
 or generation rounds) is simulated at exactly that level; `complete_plan` fills in the level the
 simulator picks for every call that has none, which is what the workers then run.
+
+The plan's offload is the one priced: `simulate(problem, plan)` uses `problem.for_plan(plan)`.
 
 Not modelled: moving call outputs between meshes (sequences and scalars, small next to weights)
 and CPU offload of idle weights.
@@ -67,6 +75,7 @@ class SimResult:
     reason: str = ""
     executions: dict[str, CallExecution] = field(default_factory=dict)  # how each call runs
     call_mem_bytes: dict[str, float] = field(default_factory=dict)  # peak per GPU while a call runs
+    offload_s: dict[str, float] = field(default_factory=dict)  # train calls: seconds of optimizer offload per iteration
 
 
 def with_default_placements(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
@@ -82,7 +91,7 @@ def with_default_placements(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
         elif default is not None and default in given:
             out[m.name] = given[default]
     out.update({name: p for name, p in given.items() if name not in out})
-    return ExecutionPlan.from_dict(out, dict(plan.executions))
+    return ExecutionPlan.from_dict(out, dict(plan.executions)).with_offload(dict(plan.optimizer_offload))
 
 
 def plan_space_for(
@@ -91,7 +100,8 @@ def plan_space_for(
 ) -> PlanSpace:
     """A one-candidate-per-call `PlanSpace` holding `plan` (validated against the problem; calls
     it leaves out take their `Graph.placement_default`), its executions pinned where the plan
-    names them."""
+    names them, priced with the plan's optimizer offload."""
+    problem = problem.for_plan(plan)
     plan = with_default_placements(problem.graph, plan)
     placements = plan.as_dict()
     names = [m.name for m in problem.graph.mfcs]
@@ -127,7 +137,18 @@ def simulate(problem: PlanningProblem, plan: ExecutionPlan, iterations: int = 3)
     executions = {n: e for n, e in zip(space.names, space.executions(state)) if e is not None}
     call_mem = dict(zip(space.names, space.call_peak_bytes(state)))
     return SimResult(iteration_s, tuple(_task(r) for r in records), peak, not reason, reason or schedule_reason,
-                     executions, call_mem)
+                     executions, call_mem, _offload_seconds(space))
+
+
+def _offload_seconds(space: PlanSpace) -> dict[str, float]:
+    """Per train call of a one-plan space that offloads: its offload seconds per iteration."""
+    out = {}
+    for c, name in enumerate(space.names):
+        level = space.costs.levels(name, space.candidates[c][0], space.pinned[c])[0]
+        seconds = level.breakdown.get("offload_s", 0.0)
+        if seconds > 0:
+            out[name] = seconds * space.problem.graph.mfc(name).expected_runs
+    return out
 
 
 def complete_plan(problem: PlanningProblem, plan: ExecutionPlan) -> ExecutionPlan:

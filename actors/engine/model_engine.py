@@ -141,6 +141,8 @@ class ModelEngine:
         self.model = model if model is not None else build_model_shard(
             spec, critic, groups.layout, coords, groups, self.device, dtype, seed)
         self.optim_config = optim_config
+        # Fraction of the optimizer state kept in host memory (the plan's optimizer_offload).
+        self.optimizer_host_fraction = 0.0
         self._optimizer: ShardedAdamW | None = None
         if groups.pp_group is not None:
             # A first collective over the pipeline group sets up its communicator on every member
@@ -157,7 +159,8 @@ class ModelEngine:
                 raise ValueError("optimizer: this engine was built without optim_config and none was set")
             self._optimizer = ShardedAdamW(named_trainable_parameters(self.model), self.optim_config,
                                            self.groups.dp_group, self.groups.mesh_group,
-                                           norm_excluded_names(self.model, self.spec, self.groups))
+                                           norm_excluded_names(self.model, self.spec, self.groups),
+                                           self.optimizer_host_fraction)
         return self._optimizer
 
     @optimizer.setter

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from planning.layout import Layout
@@ -247,7 +248,22 @@ def init_gloo_world(rank: int, world_size: int, port: int, threads: int = 1) -> 
     init_local_world(rank, world_size, port, "gloo", threads)
 
 
+
+def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
+    """out [S] = this rank's slice of flat [S * world] summed over the group."""
+    # reduce_scatter_single is the newer name (torch >= 2.12); older torch has only _tensor.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, flat, group=group)
+
+
+def all_gather_flat(full: Tensor, part: Tensor, group: ProcessGroup) -> None:
+    """full [S * world] = every rank's part [S] in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(full, part, group=group)
+
+
 __all__ = [
+    "all_gather_flat", "reduce_scatter_flat",
     "ParallelGroups", "broadcast_from_first", "build_parallel_groups", "destroy_parallel_groups", "free_port",
     "group_rank", "group_size", "init_gloo_world", "init_local_world", "lookup_parallel_groups", "node_address", "world_timeout",
 ]

@@ -139,29 +139,35 @@ class ModelWorker:
 
     # ---- models ----------------------------------------------------------------------------------
     def load_model(self, role: str, spec: ModelSpec, critic: bool, placement: Placement, hf_dir: str | None,
-                   seed: int, trainable: bool, optim: dict[str, Any], dtype: str | None = None) -> dict[str, Any]:
+                   seed: int, trainable: bool, optim: dict[str, Any], dtype: str | None = None,
+                   host_fraction: float = 0.0) -> dict[str, Any]:
         """Build `role` on `placement` (random init from `seed`, or the HF checkpoint `hf_dir`).
 
         Called on the ranks of the placement's mesh; other ranks may call it too and then only
         record the model's shapes (reallocation also shares them, see `_share_role`).
         optim: AdamWConfig fields (lr, betas, weight_decay, max_grad_norm, warmup_steps, ...).
+        host_fraction: of the optimizer state kept in host memory (the plan's optimizer_offload).
         """
         start = time.perf_counter()
         torch_dtype = self._dtype(dtype)
         config = adamw_config_from(role, optim) if trainable else None
-        state = RoleState(spec, critic, trainable, torch_dtype, config, ModelCopies(role, trainable, offload_idle=False))
+        state = RoleState(spec, critic, trainable, torch_dtype, config, ModelCopies(role, trainable, offload_idle=False),
+                          host_fraction=host_fraction if trainable else 0.0)
         self._roles[role] = state
         if self.rank not in placement.mesh.gpus:
             return {"role": role, "rank": self.rank, "held": False}
         groups = self.parallel_groups(placement)
         if hf_dir is None:
             engine = ModelEngine(spec, critic, groups, self.device, torch_dtype, seed=seed, optim_config=config)
+            engine.optimizer_host_fraction = state.host_fraction
         else:
             engine = ModelEngine(spec, critic, groups, self.device, torch_dtype, seed=None)
             load_hf_checkpoint(hf_dir, spec, critic, engine.model, groups.tp_rank, groups.layout.tp)
+            engine.optimizer_host_fraction = state.host_fraction
             if config is not None:
                 engine.optimizer = ShardedAdamW(named_trainable_parameters(engine.model), config, groups.dp_group,
-                                                groups.mesh_group, norm_excluded_names(engine.model, spec, groups))
+                                                groups.mesh_group, norm_excluded_names(engine.model, spec, groups),
+                                                state.host_fraction)
         if not trainable:
             engine.model.requires_grad_(False)
         state.engines[placement] = engine
@@ -184,6 +190,7 @@ class ModelWorker:
         if placement not in state.engines:
             groups = self.parallel_groups(placement)
             engine = ModelEngine(state.spec, state.critic, groups, self.device, state.dtype, seed=None)
+            engine.optimizer_host_fraction = state.host_fraction
             if not state.trainable or placement != home_of(state):
                 engine.model.requires_grad_(False)
             state.engines[placement] = engine
@@ -237,11 +244,16 @@ class ModelWorker:
         return {**stats, "end": end, "seconds": moved.seconds, "bytes_sent": moved.total_sent,
                 "bytes_received": moved.total_received, "local_bytes": moved.local_bytes, "pulled": moved.pulled}
 
-    def rehome(self, role: str, src: Placement, dst: Placement) -> dict[str, Any]:
+    def rehome(self, role: str, src: Placement, dst: Placement, host_fraction: float | None = None) -> dict[str, Any]:
         """Make `dst` the home of trained `role` instead of `src` (a re-plan moved its train call):
         weights and optimizer state move together (actors.worker.rehome; a frozen model moves
-        with `reallocate`). Every rank of both meshes calls it."""
+        with `reallocate`). Every rank of both meshes calls it. host_fraction: the new plan's
+        share of the optimizer state in host memory (None keeps the current one)."""
         state = self._share_role(role, src, dst)
+        if host_fraction is not None:
+            state.host_fraction = host_fraction
+            for engine in state.engines.values():
+                engine.optimizer_host_fraction = host_fraction
         union = self._lookup(sorted(set(src.mesh.gpus) | set(dst.mesh.gpus)))
         stats = move_trained_home(self.rank, state, src, dst, self._plan(state, src, dst), self._groups, union,
                                   self.device, lambda p: self._engine(state, p))

@@ -77,6 +77,7 @@ class RoleState:
     optim: AdamWConfig | None
     copies: ModelCopies
     engines: dict[Placement, ModelEngine] = field(default_factory=dict)
+    host_fraction: float = 0.0  # of the optimizer state in host memory (the plan's optimizer_offload)
 
 
 def shards_of(model: nn.Module) -> dict[str, Tensor]:

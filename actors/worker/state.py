@@ -53,7 +53,8 @@ def save_role_state(engine: ModelEngine, directory: str | Path) -> dict[str, Any
 
     Returns {"path": file or None, "steps_done", "bytes"}."""
     optimizer = engine.optimizer
-    per_param = optimizer.per_parameter_state()  # every dp rank takes part in the gather
+    # Every dp rank takes part in the gather; host tensors (an offloaded part is not copied).
+    per_param = optimizer.per_parameter_state(on_host=True)
     g = engine.groups
     if g.dp_rank != 0:
         return {"path": None, "steps_done": optimizer.steps_done, "bytes": 0}

@@ -7,6 +7,7 @@ Commands keep torch and ray imports inside their run functions so `plan` starts 
   generate  `generate --model HF_DIR --data prompts.jsonl --out out.jsonl`
   score     `score --model HF_DIR --data texts.jsonl --out out.jsonl`
   profile   `profile --out profile.json`: measure this machine for the cost model
+  host_link the profile's pinned host <-> GPU copy rate and host RAM per GPU (optimizer offload)
   commands  the parser over those modules and `main(argv)`, the entry of `python -m app`
 """
 

@@ -1,7 +1,8 @@
 """`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick] [--inter-node]`.
 
 Measures this machine (actors.worker.profiler: matmul FLOP/s, memory copy bandwidth, collectives
-over local processes, an engine train step and decode steps against the cost model), prints a
+over local processes, an engine train step and decode steps against the cost model; on CUDA also
+the pinned host <-> GPU copy rate and host RAM per GPU for optimizer offload, app.cli.host_link), prints a
 short table of measured vs preset figures and writes the profile JSON. A config then plans with
 it through `plan.profile: profile.json`: the measured HardwareSpec fields replace the preset's
 (`HardwareSpec.with_profile`) and its "efficiency" block scales the op kinds (`OpEfficiency`).
@@ -28,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli.host_link import measure_host_link
 from app.config import check_out_path
 from planning.cost_terms import OpEfficiency
 from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
@@ -200,6 +202,8 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
 
     timing = measure_engine(settings)  # first: spawned collective processes leave load behind on CPU
     hardware = measure_hardware(settings, ranks)
+    link = measure_host_link(settings.device, settings.quick, settings.warmup, settings.reps)
+    host_fields = {} if link is None else {"host_bw": link["host_bw"], "host_mem_bytes": link["host_mem_bytes"]}
     hw = replace(preset, **hardware.fields)
     efficiency = asdict(fit_efficiency(hw, settings, timing))
     collectives = hardware.collectives
@@ -235,6 +239,7 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
                    "square_vs_preset": hardware.square_flops / preset.peak_flops,
                    "llm_vs_preset": hardware.llm_flops / preset.peak_flops},
         "copy": {"bytes": settings.copy_bytes, "bandwidth": hardware.fields["hbm_bw"]},
+        "host_link": link,  # pinned host <-> GPU copies and host RAM per GPU (None on CPU)
         "collectives": None if collectives is None else {
             **asdict(collectives), "broadcast_bw": collectives.broadcast_bw, "allreduce_bw": collectives.allreduce_bw,
             # JSON has no NaN: a tp step the model could not be split for is recorded as null.
@@ -245,7 +250,8 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
         "validation": {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
                        for key in observed},
     }
-    return {**hardware.fields, "efficiency": efficiency, "preset": preset.name, "measurements": measurements}
+    return {**hardware.fields, **host_fields, "efficiency": efficiency, "preset": preset.name,
+            "measurements": measurements}
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:
@@ -261,7 +267,8 @@ def format_table(profile: dict[str, Any], preset: HardwareSpec) -> str:
     meas = profile["measurements"]
     machine = meas["machine"]
     units = {"peak_flops": (1e12, "TFLOP/s"), "hbm_bw": (1e9, "GB/s"), "mem_bytes": (2**30, "GiB"),
-             "intra_node_bw": (1e9, "GB/s"), "collective_latency_s": (1e-6, "us")}
+             "intra_node_bw": (1e9, "GB/s"), "collective_latency_s": (1e-6, "us"), "host_bw": (1e9, "GB/s"),
+             "host_mem_bytes": (2**30, "GiB")}
     lines = [f"profile of {machine['device']} ({machine['device_type']}, {machine['dtype']}, "
              f"{machine['ranks']} rank(s)) against preset {preset.name}",
              f"{'figure':<28}{'measured':>12}{'preset':>12}{'ratio':>8}"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
@@ -119,13 +119,18 @@ class BatchConfig(_Section):
 
 class ClusterConfig(_Section):
     """nodes x gpus_per_node GPUs of one hardware preset; virtual_gpus runs them on CPU.
-    dashboard: start the Ray dashboard (127.0.0.1) with a local instance."""
+    dashboard: start the Ray dashboard (127.0.0.1) with a local instance.
+    gpu_memory_gib / host_memory_gib: the memory per GPU, and the host RAM per GPU, the planner
+    may use instead of the preset's (GPUs shared with other work, a smaller host, or virtual
+    GPUs given a size); a measured profile's values apply first, these last."""
 
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=1)
     gpu: str = "h100-80g"
     virtual_gpus: bool = False
     dashboard: bool = True
+    gpu_memory_gib: float | None = Field(None, gt=0.0)
+    host_memory_gib: float | None = Field(None, gt=0.0)
 
     @field_validator("gpu")
     @classmethod
@@ -164,6 +169,9 @@ class PlanConfig(_Section):
     iterations, fit the cost model to the run's own call times and memory and search again from
     the current plan (None: never); the run switches when the new plan is estimated at least
     switch_gain (a fraction) faster, moving every model between two iterations.
+    optimizer_offload: None lets the planner keep part of a trained model's optimizer state in
+    host memory when no plan fits without (the least that makes one fit); {role: fraction} fixes
+    it per trained role instead (0: never, 1: all of it; roles not named: 0).
     """
 
     mode: Literal["search", "exhaustive", "heuristic", "manual"] = "search"
@@ -174,6 +182,7 @@ class PlanConfig(_Section):
     memory_margin: float = Field(0.1, ge=0.0, lt=1.0)
     recalibrate_after: int | None = Field(None, ge=1)
     switch_gain: float = Field(0.05, ge=0.0, lt=1.0)
+    optimizer_offload: dict[str, Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
 
 
 class RunConfig(_Section):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
-from planning.cost import OPTIMIZER_BYTES_PER_PARAM, ModelRole, PlanningProblem
+from planning.cost import ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency
 from planning.dataflow import (
     OUTCOME_ALGORITHMS,
@@ -36,6 +36,8 @@ from planning.dataflow import (
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
+from planning.offload import OPTIMIZER_BYTES_PER_PARAM, describe_capacity, host_capacity_bytes
+from planning.offload_search import total_host_bytes
 from planning.plan import CallExecution, ExecutionPlan, Placement
 from planning.search import EXHAUSTIVE_LIMIT
 
@@ -97,6 +99,10 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
             hardware = hardware.with_profile(cfg.plan.profile)
         except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON that is not an object
             raise ConfigError("plan.profile", cfg.plan.profile, f"a readable profile JSON ({exc})") from None
+    if cfg.cluster.gpu_memory_gib is not None:
+        hardware = replace(hardware, mem_bytes=cfg.cluster.gpu_memory_gib * GiB)
+    if cfg.cluster.host_memory_gib is not None:
+        hardware = replace(hardware, host_mem_bytes=cfg.cluster.host_memory_gib * GiB)
     return ClusterSpec(cfg.cluster.nodes, cfg.cluster.gpus_per_node, hardware)
 
 
@@ -167,10 +173,26 @@ def build_problem(cfg: ExperimentConfig, reward_token_ratio: float | None = None
         else:
             check_positions(cfg, spec, field)
         models[role] = ModelRole(spec=spec, critic=role in ("critic", "reward"))
+    offload = config_offload(cfg, graph)
     problem = PlanningProblem(graph=graph, cluster=cluster, models=models, efficiency=profile_efficiency(cfg),
-                              memory_margin=cfg.plan.memory_margin)
+                              memory_margin=cfg.plan.memory_margin, optimizer_offload=offload,
+                              auto_offload=cfg.plan.optimizer_offload is None)
     check_cluster_memory(cfg, problem)
     return problem
+
+
+def config_offload(cfg: ExperimentConfig, graph: Graph) -> tuple[tuple[str, float], ...]:
+    """`plan.optimizer_offload` as the problem's (role, fraction) pairs (zeros left out); every
+    role named must be one the graph trains. None (the planner chooses) gives ()."""
+    given = cfg.plan.optimizer_offload
+    if given is None:
+        return ()
+    trained = graph.trained_roles
+    for role, fraction in given.items():
+        if role not in trained:
+            raise ConfigError(f"plan.optimizer_offload.{role}", fraction,
+                              f"a role {cfg.algorithm} trains: {', '.join(trained)}", problem="not a trained role")
+    return tuple(sorted((role, float(f)) for role, f in given.items() if f > 0))
 
 
 def reward_max_length(source: ModelSource, spec: ModelSpec) -> int:
@@ -216,19 +238,29 @@ def check_positions(cfg: ExperimentConfig, spec: ModelSpec, field: str) -> None:
 
 
 def check_cluster_memory(cfg: ExperimentConfig, problem: PlanningProblem) -> None:
-    """Refuse, before searching, a cluster whose total memory cannot hold weights + optimizer states."""
+    """Refuse, before searching, a cluster whose total memory cannot hold weights + optimizer
+    states: GPU memory, plus the host memory optimizer offload may use (all of it the plan may
+    fill when the planner chooses the offload, the configured fractions when they are fixed)."""
     trained = set(problem.graph.trained_roles)
-    need = 0.0
+    need = optimizer = 0.0
     for role, model in problem.models.items():
-        per_param = TRAINED_BYTES_PER_PARAM if role in trained else FROZEN_BYTES_PER_PARAM
-        need += per_param * model.spec.n_params(model.critic)
-    have = problem.cluster.n_gpus * problem.cluster.hardware.mem_bytes
-    if need > have:
+        params = model.spec.n_params(model.critic)
+        need += (TRAINED_BYTES_PER_PARAM if role in trained else FROZEN_BYTES_PER_PARAM) * params
+        optimizer += OPTIMIZER_BYTES_PER_PARAM * params if role in trained else 0.0
+    hw = problem.cluster.hardware
+    if problem.auto_offload:
+        host = min(optimizer, host_capacity_bytes(hw) * problem.cluster.n_gpus)
+    else:
+        host = total_host_bytes(problem, dict(problem.optimizer_offload))
+    have = problem.cluster.n_gpus * hw.mem_bytes
+    if need - host > have:
         c = cfg.cluster
+        offload = (f", and {host / GiB:.0f} GiB of optimizer state in host memory ({describe_capacity(hw)})"
+                   if host > 0 else "")
         raise ConfigError(
             "cluster", f"{c.nodes}x{c.gpus_per_node} {c.gpu}",
             f"at least {need / GiB:.0f} GiB of GPU memory in total for weights and optimizer states "
-            f"(this cluster has {have / GiB:.0f} GiB): add nodes or use a GPU with more memory",
+            f"(this cluster has {have / GiB:.0f} GiB{offload}): add nodes or use a GPU with more memory",
             problem="too small for the models",
         )
 
@@ -260,7 +292,8 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
         execution = _manual_execution(mfc.name, mfc.kind, entry)
         if execution is not None:
             executions[mfc.name] = execution
-    return ExecutionPlan.from_dict(placements, executions)
+    # A fixed plan.optimizer_offload goes with the plan; otherwise the search adds what it needs.
+    return ExecutionPlan.from_dict(placements, executions).with_offload(dict(problem.optimizer_offload))
 
 
 def _manual_execution(name: str, kind: str, given: ManualPlacement) -> CallExecution | None:

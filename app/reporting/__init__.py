@@ -1,6 +1,7 @@
 """What a run and a plan show people: plan tables and Gantt charts, measured timelines, tracking.
 
 May import planning (no torch or ray). In dependency order:
+  model_memory  per trained model: weights and optimizer state on the GPU and in host memory (offload)
   report    the planner's per-call table, its JSON form and Gantt charts of simulated iterations
   timeline  measured records of every call and reallocation (time, peak memory, the estimates),
             and the metrics derived from them

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.reporting.model_memory import ModelRow, format_model_rows, model_rows, model_rows_json
 from planning.cost import PlanningProblem, call_cost
 from planning.hardware import GiB
 from planning.plan import ExecutionPlan
@@ -84,6 +85,8 @@ class PlanReport:
     memory_margin: float = 0.0  # fraction of gpu_mem_gib the plan keeps free
     max_staleness: int = 0  # run.max_staleness of the graph planned
     on_policy_iteration_s: float | None = None  # with max_staleness > 0: the best plan's estimate at k = 0
+    models: tuple[ModelRow, ...] = ()  # trained models: weights and optimizer state on GPU and host
+    offload_lines: tuple[str, ...] = ()  # their block of the printed table (app.reporting.model_memory)
 
     @property
     def speedup(self) -> float:
@@ -127,7 +130,9 @@ def plan_report(
     """Rows of `plan` in graph order, each with call_cost's time and memory estimate at the
     execution the plan gives it (the simulator's choice where it names none); the peaks come
     from `sim`, the simulation of `plan`. on_policy_iteration_s: with bounded staleness, the
-    estimate of the best on-policy plan beside it."""
+    estimate of the best on-policy plan beside it. Everything is priced with the plan's optimizer
+    offload (`PlanningProblem.for_plan`)."""
+    problem = problem.for_plan(plan)
     rows = []
     for mfc in problem.graph.mfcs:
         placement = plan[mfc.name]
@@ -144,6 +149,7 @@ def plan_report(
                             sim.call_mem_bytes.get(mfc.name, math.nan) / GiB,
                             turns.turns if turns else None, turns.env_step_s if turns else None,
                             env_wait * mfc.expected_runs if turns and env_wait is not None else None))
+    models = model_rows(problem, plan, sim)
     c = problem.cluster
     return PlanReport(
         algorithm=problem.graph.algorithm,
@@ -159,6 +165,8 @@ def plan_report(
         memory_margin=problem.memory_margin,
         max_staleness=problem.graph.max_staleness,
         on_policy_iteration_s=on_policy_iteration_s,
+        models=models,
+        offload_lines=tuple(format_model_rows(models, problem)),
     )
 
 
@@ -194,7 +202,7 @@ def format_plan_table(report: PlanReport) -> str:
         on_policy = math.nan if report.on_policy_iteration_s is None else report.on_policy_iteration_s
         summary.insert(2, f"max_staleness {report.max_staleness}: {_seconds(report.est_iteration_s)}   "
                           f"on-policy (max_staleness 0): {_seconds(on_policy)}   staleness speedup: {gain}")
-    return "\n".join([line(header), rule, *map(line, body), rule, *summary])
+    return "\n".join([line(header), rule, *map(line, body), rule, *report.offload_lines, *summary])
 
 
 def plan_json(report: PlanReport) -> dict[str, Any]:
@@ -226,6 +234,10 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
         "on_policy_iteration_s": _json_number(math.nan if report.on_policy_iteration_s is None
                                               else report.on_policy_iteration_s),
         "staleness_speedup": _json_number(report.staleness_speedup),
+        # Per trained model, GiB per GPU on the GPU and in host memory; the offload in the shape of
+        # the config's plan.optimizer_offload, so it can be pinned as it is.
+        "models": model_rows_json(report.models),
+        "optimizer_offload": {r.role: r.offload_fraction for r in report.models if r.offload_fraction},
     }
 
 
@@ -243,12 +255,18 @@ def simulated_bars(sim: SimResult) -> list[GanttBar]:
     """One bar per (task, GPU) of a simulated timeline; labels carry the iteration number.
 
     Reallocation tasks ('realloc:actor_train->actor_gen') are labelled by their destination call.
-    """
+    A train call with optimizer offload ends in its own bar of kind 'offload' ('actor_train #0
+    offload'): the seconds its optimizer steps spend streaming host memory (`SimResult.offload_s`;
+    spread over its steps in reality, drawn as one segment)."""
     bars = []
     for task in sim.tasks:
         name = "realloc>" + task.name.rsplit("->", 1)[-1] if task.kind == "realloc" else task.name
         label = f"{name} #{task.iteration}"
-        bars.extend(GanttBar(gpu, task.start_s, task.end_s, label, task.kind) for gpu in task.gpus)
+        offload = min(sim.offload_s.get(task.name, 0.0), task.end_s - task.start_s) if task.kind == "call" else 0.0
+        split = task.end_s - offload
+        bars.extend(GanttBar(gpu, task.start_s, split, label, task.kind) for gpu in task.gpus)
+        if offload > 0:
+            bars.extend(GanttBar(gpu, split, task.end_s, f"{label} offload", "offload") for gpu in task.gpus)
     return bars
 
 
@@ -256,7 +274,8 @@ def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: 
                row_labels: list[str] | None = None) -> None:
     """Draw `bars` as a timeline PNG at `path`: one row per GPU, bars coloured by call name.
 
-    Reallocations (kind 'realloc') are hatched grey; other kinds than 'call' are drawn lighter so
+    Reallocations (kind 'realloc') are hatched grey, optimizer offload (kind 'offload') cross-
+    hatched in its call's colour; other kinds than 'call' are drawn lighter so
     measured and estimated bars of the same call can share a chart. Bars too narrow for their
     text are left unlabelled; the legend names every colour. `row_labels` replaces "GPU <row>".
     """
@@ -279,13 +298,15 @@ def draw_gantt(bars: list[GanttBar], path: str | Path, title: str = "", n_rows: 
         ax.barh(bar.row, width, left=bar.start_s, height=0.8,
                 color="0.75" if realloc else colours[_call_name(bar.label)],
                 alpha=1.0 if bar.kind in ("call", "realloc") else 0.55,
-                hatch="//" if realloc else None, edgecolor="black", linewidth=0.4)
+                hatch="//" if realloc else ("xx" if bar.kind == "offload" else None), edgecolor="black", linewidth=0.4)
         if width > (len(bar.label) + 1) * char_s:
             ax.text(bar.start_s + width / 2, bar.row, bar.label, ha="center", va="center",
                     fontsize=GANTT_FONT_PT, clip_on=True)
     handles = [Patch(facecolor=colour, edgecolor="black", label=name) for name, colour in colours.items()]
     if any(b.kind == "realloc" for b in bars):
         handles.append(Patch(facecolor="0.75", hatch="//", edgecolor="black", label="reallocation"))
+    if any(b.kind == "offload" for b in bars):
+        handles.append(Patch(facecolor="white", hatch="xx", edgecolor="black", label="optimizer offload (host)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=GANTT_FONT_PT + 1, frameon=False)
     ax.set_ylim(rows - 0.5, -0.5)  # GPU 0 at the top
     labels = row_labels if row_labels is not None and len(row_labels) == rows else [f"GPU {r}" for r in range(rows)]

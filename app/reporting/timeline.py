@@ -71,7 +71,9 @@ class CallEstimate:
 
 
 def call_estimates(problem: PlanningProblem, plan: ExecutionPlan) -> dict[str, CallEstimate]:
-    """Every call's estimate at the placement and execution the plan gives it."""
+    """Every call's estimate at the placement and execution the plan gives it (and its optimizer
+    offload: `PlanningProblem.for_plan`)."""
+    problem = problem.for_plan(plan)
     sim = simulate(problem, plan, iterations=1)
     out = {}
     for mfc in problem.graph.mfcs:

@@ -280,8 +280,11 @@ def apply_switch(workers: WorkerGroup, inputs: TrainInputs, location: dict[str, 
     trained = set(inputs.problem.graph.trained_roles)
     records = []
     for move in moves:
-        method = "rehome" if move.role in trained else "reallocate"
-        metas = workers.run(method, move.role, move.src, move.dst, ranks=move.ranks, timeout_s=timeout_s)
+        if move.role in trained:  # the optimizer state moves too, split as the new plan says
+            metas = workers.run("rehome", move.role, move.src, move.dst, plan.offload_fraction(move.role),
+                                ranks=move.ranks, timeout_s=timeout_s)
+        else:
+            metas = workers.run("reallocate", move.role, move.src, move.dst, ranks=move.ranks, timeout_s=timeout_s)
         records += records_of(iteration, f"replan:{move.role}", "realloc", move.ranks, metas)
     return records
 

@@ -330,7 +330,7 @@ def load_models(workers: WorkerGroup, inputs: TrainInputs, plan: ExecutionPlan, 
             # checkpoint, the same random init as the actor.
             seed = cfg.run.seed + 1000 * list(inputs.models).index("actor")
         pending[role] = workers.call("load_model", role, model.spec, model.critic, homes[role], model.hf_dir,
-                                     seed, model.trainable, optim)
+                                     seed, model.trainable, optim, host_fraction=plan.offload_fraction(role))
     started = time.perf_counter()
     out = {}
     for role, call in pending.items():

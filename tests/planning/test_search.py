@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planning.candidates import CandidateOptions, call_candidates, prune_classes
@@ -93,8 +95,12 @@ def test_manual_mode_evaluates_the_given_plan() -> None:
     assert simulate(problem, result.plan).iteration_s == pytest.approx(result.est_iteration_s)
     assert result.baseline_plan is not None and result.evaluated_plans == 1
     crowded = ExecutionPlan(tuple((name, half) for name, _ in plan.placements))
+    pinned = replace(_problem("llama-7b"), auto_offload=False)  # no optimizer offload to fall back on
     with pytest.raises(ValueError, match="manual plan is infeasible: peak memory"):
-        search_plan(_problem("llama-7b"), "manual", manual=crowded)
+        search_plan(pinned, "manual", manual=crowded)
+    # Allowed to offload, the same placements fit with part of the optimizer state in host memory.
+    offloaded = search_plan(_problem("llama-7b"), "manual", manual=crowded)
+    assert offloaded.plan.optimizer_offload and offloaded.plan.without_executions().placements[0] == ("actor_gen", half)
 
 
 def test_search_never_worse_than_baseline() -> None:

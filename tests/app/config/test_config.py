@@ -161,10 +161,16 @@ def test_unknown_field_is_reported_before_what_it_leaves_missing() -> None:
 
 
 def test_cluster_too_small_for_weights_and_optimizer() -> None:
+    no_offload = {"mode": "search", "seconds": 1, "optimizer_offload": {"actor": 0, "critic": 0}}
     raw = tiny_raw(models={"actor": {"preset": "llama-70b"}, "critic": {"preset": "llama-7b"}},
-                   cluster={"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80g"})
+                   cluster={"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80g"}, plan=no_offload)
     error = expect_error(raw, "cluster")
     assert "1x8 h100-80g" in str(error) and "GiB" in error.allowed
+    # Host memory counts when the planner may offload optimizer state: 8 GPUs alone are too few.
+    raw = tiny_raw(models={"actor": {"preset": "llama-70b"}, "critic": {"preset": "llama-7b"}},
+                   cluster={"nodes": 1, "gpus_per_node": 2, "gpu": "h100-80g"})
+    error = expect_error(raw, "cluster")
+    assert "of optimizer state in host memory" in error.allowed
 
 
 def test_sequence_longer_than_model_positions() -> None:
