@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.engine.model import set_elementwise_fusion  # noqa: E402
 from actors.engine.model_engine import ModelEngine, SequenceBatch  # noqa: E402
 from actors.engine.optimizer import AdamWConfig  # noqa: E402
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
@@ -90,6 +91,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
     spec = model_preset("tiny" if args.tiny else "llama3.2-1b")
     dtype = torch.float32 if args.cpu else torch.bfloat16
     engine = ModelEngine(spec, False, groups, device, dtype, seed=0, optim_config=AdamWConfig(lr=1e-5))
+    if args.eager_elementwise:
+        set_elementwise_fusion(engine.model, False)
     batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
     sync = (lambda: None) if args.cpu else torch.cuda.synchronize
 
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one train step")
+    parser.add_argument("--eager-elementwise", action="store_true",
+                        help="norms, rotary and SwiGLU gate unfused (the default on CUDA fuses them)")
     parser.add_argument("--grpo-step", action="store_true",
                         help="peer_bench's training call: 16 micro-batches of 32 sequences of 640 tokens")
     args = parser.parse_args()
@@ -204,6 +209,7 @@ def main() -> None:
         results.update(spawn(tp, args))
     peak = PEAK_FLOPS if not args.cpu else float("nan")
     print(f"\nengine benchmark ({'tiny' if args.tiny else 'llama3.2-1b'}, {'cpu fp32' if args.cpu else 'bf16'}, "
+          f"elementwise {'eager' if args.eager_elementwise or args.cpu else 'fused'}, "
           f"{args.n_micro} micro-batches x ~{args.tokens_per_mb} tokens, sequences {args.min_len}-{args.max_len})")
     print(f"{'tp':>3} {'gpus':>4} {'train tok/s':>12} {'train TFLOP/s':>14} {'train MFU':>9} "
           f"{'fwd tok/s':>10} {'fwd TFLOP/s':>12} {'fwd MFU':>8} {'peak mem GiB':>12} {'scaling':>8}")

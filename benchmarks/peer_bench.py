@@ -25,9 +25,9 @@ here, `bash ../shared/gpu/prepare-wheels.sh trl==1.16.0 datasets==5.2.0 dill mul
 fills the git-ignored .whl/; benchmarks/run_gpu.sh installs it there (`ONLY=peer`). Without an
 importable TRL the table says so and still measures ours.
 
-Until the runtime splits calls by the plan's micro-batches, `--micro-batches 16` splits the
-actor's training step (327k tokens, one optimizer step) into 16 micro-batches (0: leave it to
-the runtime).
+Our side runs what a user runs: the plan's own micro-batching and no allocator setting.
+`--micro-batches N` forces N actor micro-batches instead, and `--expandable-segments` sets
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the bench's settings before 2026-12-02).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
     result.tokens = [round(r["rollout/response_length_mean"] * work.sequences) for r in timed]
     result.calls = {name: sum(r.get(f"timing_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
-                       f"{micro_batches or 'from the runtime'}; old logprobs from the training forward; "
+                       f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
                        f"sampling.compile={cfg.sampling.compile}")
     return result
 
@@ -171,7 +171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per_device_train_batch_size (32)")
     parser.add_argument("--trl-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off is faster")
-    parser.add_argument("--micro-batches", type=int, default=16, help="our actor micro-batches (0: the runtime's)")
+    parser.add_argument("--micro-batches", type=int, default=0, help="our actor micro-batches (0: the plan's)")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (default: no allocator setting)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     base = (args.out or Path(os.environ.get("OUT", "out")) / "peer").resolve()
     out = fresh_run_dir(base)  # this run's results; earlier runs under `base` stay as they are
     print(f"run directory: {out}", flush=True)
-    if not tiny:
+    if not tiny and args.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     start = time.perf_counter()
     inputs = build_inputs((args.inputs or base / ("inputs-tiny" if tiny else "inputs")).resolve(), tiny,

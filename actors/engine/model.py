@@ -13,8 +13,10 @@ values [T] float32 (critic).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,43 @@ from actors.engine.packing import PackedBatch
 from planning.models import ModelSpec
 
 
+# ---- elementwise work, eager or fused ---------------------------------------------------------
+# Each function below is a chain of memory-bound elementwise kernels in eager mode (RMSNorm alone
+# is six passes over [T, H]). With fusion on (`set_elementwise_fusion`, on by default for CUDA
+# shards: actors.engine.parallelize) the same function runs through torch.compile, which emits one
+# kernel for the forward and one for the backward, with the matmuls left to cuBLAS around them.
+# Values agree with eager to the rounding of the intermediates (the fused kernel keeps them in
+# float32). The CPU path (every parity test) is eager.
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [T, H] -> weight * x / rms(x), the statistics in float32 (as HF does)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next norm: (x + delta, rms_norm(x + delta))."""
+    summed = x + delta
+    return summed, rms_norm(summed, weight, eps)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, [T, F]."""
+    return F.silu(gate) * up
+
+
+@functools.cache
+def fused(fn: Callable[..., object]) -> Callable[..., object]:
+    """`fn` compiled once per process (dynamic shapes: one kernel serves every token count)."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def pick(fn: Callable[..., object], fuse: bool) -> Callable[..., object]:
+    return fused(fn) if fuse else fn
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32 (as HF does), scaled by a learned weight."""
 
@@ -32,11 +71,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device))
         self.eps = eps
+        self.fuse_elementwise = False
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return pick(rms_norm, self.fuse_elementwise)(x, self.weight, self.eps)
 
 
 # ---- rotary embeddings -------------------------------------------------------------------------
@@ -100,6 +138,7 @@ class Attention(nn.Module):
         self.q_head_offset = 0
         self.sliding_window = spec.sliding_window
         self.backend = "auto"
+        self.fuse_elementwise = False
         self.q_proj = nn.Linear(h, spec.n_heads * d, bias=spec.qkv_bias, device=device)
         self.k_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
         self.v_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
@@ -117,21 +156,22 @@ class Attention(nn.Module):
         """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H], rotary applied to q and k."""
         T, n_q, n_kv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         decoding = kv_cache is not None and kv_cache.prefilled
-        fused = kv_cache.fused_qkv(self.layer_idx) if decoding else None
-        if fused is not None:
+        fused_qkv = kv_cache.fused_qkv(self.layer_idx) if decoding else None
+        if fused_qkv is not None:
             # Decode with the cache's concatenated [q; k; v] weight: one GEMM instead of three
             # (M = batch rows is small, so each projection alone is latency-bound).
-            qkv = F.linear(x, *fused).view(T, n_q + 2 * n_kv, d)
-            qk, v = apply_rotary(qkv[:, : n_q + n_kv], cos, sin), qkv[:, n_q + n_kv :]
+            qkv = F.linear(x, *fused_qkv).view(T, n_q + 2 * n_kv, d)
+            qk, v = pick(apply_rotary, self.fuse_elementwise)(qkv[:, : n_q + n_kv], cos, sin), qkv[:, n_q + n_kv :]
             return qk[:, :n_q], qk[:, n_q:], v
         q = self.q_proj(x).view(T, n_q, d)
         k = self.k_proj(x).view(T, n_kv, d)
         v = self.v_proj(x).view(T, n_kv, d)
+        rotary = pick(apply_rotary, self.fuse_elementwise)
         if not decoding:
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            return rotary(q, cos, sin), rotary(k, cos, sin), v
         # Decode: rotate q and k as one [B, Hq + Hkv, D] tensor, one set of elementwise kernels
         # instead of two (a decode step is launch-bound); q and k are views of it.
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+        qk = rotary(torch.cat((q, k), dim=1), cos, sin)
         return qk[:, :n_q], qk[:, n_q:], v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kv_cache: KVCache | None) -> Tensor:
@@ -157,9 +197,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=False, device=device)
         self.up_proj = nn.Linear(h, f, bias=False, device=device)
         self.down_proj = nn.Linear(f, h, bias=False, device=device)
+        self.fuse_elementwise = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(pick(swiglu, self.fuse_elementwise)(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -173,8 +214,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, device)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kv_cache: KVCache | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        norm = self.post_attention_layernorm
+        if norm.fuse_elementwise:  # the residual add and the norm in one kernel
+            x, normed = fused(add_rms_norm)(x, attended, norm.weight, norm.eps)
+        else:
+            x = x + attended
+            normed = norm(x)
+        return x + self.mlp(normed)
 
 
 class DecoderTrunk(nn.Module):
@@ -190,6 +237,13 @@ class DecoderTrunk(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(*shape, device=device, _weight=weight)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, i, device) for i in range(spec.n_layers)})
         self.norm: nn.Module | None = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
+
+
+def set_elementwise_fusion(model: nn.Module, on: bool) -> None:
+    """Run the norms, rotary and SwiGLU gate of every block (and the final norm) fused or eager."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.fuse_elementwise = on
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -328,5 +382,6 @@ class Transformer(nn.Module):
         return F.linear(hidden, self.model.embed_tokens.weight)
 
 
-__all__ = ["Attention", "DecoderLayer", "DecoderTrunk", "MLP", "RMSNorm", "Transformer", "apply_rotary",
-           "init_param_tensor", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["Attention", "DecoderLayer", "DecoderTrunk", "MLP", "RMSNorm", "Transformer", "add_rms_norm",
+           "apply_rotary", "init_param_tensor", "rms_norm", "rope_cos_sin", "rope_inv_freq", "set_elementwise_fusion",
+           "swiglu"]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from actors.engine.model import Transformer, init_param_tensor
+from actors.engine.model import Transformer, init_param_tensor, set_elementwise_fusion
 from actors.engine.process_groups import ParallelGroups, group_rank, group_size
 from actors.engine.tp_layers import (
     ColumnParallelLinear,
@@ -122,6 +122,8 @@ def build_model_shard(spec: ModelSpec, critic: bool, layout: Layout, coords: tup
     model.to_empty(device=device)
     if seed is not None:
         init_shard_weights(model, spec, tp_rank, layout.tp, seed)
+    # On CUDA the blocks' elementwise work (norms, rotary, SwiGLU gate, residual add) runs fused.
+    set_elementwise_fusion(model, torch.device(device).type == "cuda")
     return model.to(dtype)
 
 
