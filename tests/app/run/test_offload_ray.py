@@ -48,32 +48,34 @@ def measured(rows: list[dict]) -> list[dict]:
              and not k.endswith("_est_gib")} for row in comparable(rows)]
 
 
-def test_planned_offload_trains_exactly_like_no_offload(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    offloaded, on_gpu = tmp_path / "offloaded", tmp_path / "on_gpu"
+def test_planned_offload_trains_exactly_like_no_offload_and_resumes(ray_session: None,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    offloaded, on_gpu, resumed = tmp_path / "offloaded", tmp_path / "on_gpu", tmp_path / "resumed"
     Driver(config(offloaded, TIGHT), offloaded).run()
     plan = json.loads((offloaded / "plan.json").read_text())
     assert plan["optimizer_offload"] == {"actor": 0.5}
     rows = read_metrics(offloaded)
     assert len(rows) == 4 and all(row["actor/offload_s"] > 0 for row in rows)
+    final = tensors_of(offloaded / "checkpoints" / "iter_4")
+    assert any("exp_avg/" in k for k in final)
+
+    # The same program with all optimizer state on the GPUs: the same numbers, bit for bit.
     Driver(config(on_gpu, *pinned_executions(offloaded), "plan.optimizer_offload={actor: 0, critic: 0}"), on_gpu).run()
     assert json.loads((on_gpu / "plan.json").read_text())["optimizer_offload"] == {}
     assert "actor/offload_s" not in read_metrics(on_gpu)[0]
     assert measured(rows) == measured(read_metrics(on_gpu))
-    a, b = tensors_of(offloaded / "checkpoints" / "iter_4"), tensors_of(on_gpu / "checkpoints" / "iter_4")
-    assert a.keys() == b.keys() and any("exp_avg/" in k for k in a)
-    for key, tensor in a.items():
-        assert torch.equal(tensor, b[key]), key
+    assert_same_tensors(final, tensors_of(on_gpu / "checkpoints" / "iter_4"))
 
-
-def test_resume_from_a_checkpoint_with_offloaded_state_is_exact(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    Driver(config(straight, TIGHT), straight).run()
-    Driver(config(resumed, TIGHT), resumed).run(2)  # stops after the checkpoint iter_2
+    # Stopped after the checkpoint iter_2 (written with offloaded state), then resumed.
+    Driver(config(resumed, TIGHT), resumed).run(2)
     assert not (resumed / "checkpoints" / "iter_4").exists()
-    rows = Driver(config(resumed, TIGHT, "run.resume=auto"), resumed).run()
-    assert [int(r["iteration"]) for r in rows] == [2, 3]
-    assert measured(read_metrics(straight)) == measured(read_metrics(resumed))
-    a, b = tensors_of(straight / "checkpoints" / "iter_4"), tensors_of(resumed / "checkpoints" / "iter_4")
+    more = Driver(config(resumed, TIGHT, "run.resume=auto"), resumed).run()
+    assert [int(r["iteration"]) for r in more] == [2, 3]
+    assert measured(rows) == measured(read_metrics(resumed))
+    assert_same_tensors(final, tensors_of(resumed / "checkpoints" / "iter_4"))
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key, tensor in a.items():
         assert torch.equal(tensor, b[key]), key
