@@ -133,7 +133,8 @@ class ModelEngine:
 
     def __init__(self, spec: ModelSpec, critic: bool, groups: ParallelGroups, device: torch.device | str,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
-                 optim_config: AdamWConfig | None = None, model: Transformer | None = None) -> None:
+                 optim_config: AdamWConfig | None = None, model: Transformer | None = None,
+                 optimizer_host_fraction: float = 0.0) -> None:
         self.spec, self.critic, self.groups = spec, critic, groups
         self.device, self.dtype = torch.device(device), dtype
         coords = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
@@ -142,7 +143,7 @@ class ModelEngine:
             spec, critic, groups.layout, coords, groups, self.device, dtype, seed)
         self.optim_config = optim_config
         # Fraction of the optimizer state kept in host memory (the plan's optimizer_offload).
-        self.optimizer_host_fraction = 0.0
+        self.optimizer_host_fraction = optimizer_host_fraction
         self._optimizer: ShardedAdamW | None = None
         if groups.pp_group is not None:
             # A first collective over the pipeline group sets up its communicator on every member

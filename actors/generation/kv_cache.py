@@ -261,15 +261,9 @@ class CacheExtension:
 
     def __init__(self, cache: HeadMajorKVCache, rows: Tensor, starts: Tensor, span: int, new_lengths: Tensor) -> None:
         self.cache, self.rows, self.starts, self.span = cache, rows, starts, span
-        # Where each row's keys come from (built once, shared by the layers): cu_k int32 [b+1],
-        # key_rows / key_slots int64 [T_k] (cache row and slot of every history token).
         key_lengths = starts + new_lengths
-        self.cu_k = torch.zeros(len(rows) + 1, dtype=torch.int32, device=rows.device)
-        self.cu_k[1:] = torch.cumsum(key_lengths, 0).to(torch.int32)
-        total = int(self.cu_k[-1])
-        self.key_rows = torch.repeat_interleave(rows, key_lengths, output_size=total)
-        first = torch.repeat_interleave(self.cu_k[:-1].long(), key_lengths, output_size=total)
-        self.key_slots = torch.arange(total, device=rows.device) - first
+        self.key_lengths = key_lengths
+        self._gather: tuple[Tensor, Tensor, Tensor] | None = None  # built by the first layer that gathers
         # For the in-place read: where each row starts in the cache viewed as tokens of stride D
         # (int32 [b+1]; the last entry closes the last row) and its key count int32 [b].
         slab = cache.max_len * next(iter(cache.k.values())).shape[1] if cache.k else 0
@@ -297,10 +291,25 @@ class CacheExtension:
                 return out
             self.in_place = False
         # Each row's history, new tokens included, packed token-major: [T_k, Hkv, D].
-        keys = cache_k[self.key_rows, :, self.key_slots].to(q.dtype)
-        values = cache_v[self.key_rows, :, self.key_slots].to(q.dtype)
-        return attention_over_history(q, keys, values, batch.cu_seqlens, self.cu_k, batch.max_seqlen, self.span,
+        cu_k, key_rows, key_slots = self.gather_index()
+        keys = cache_k[key_rows, :, key_slots].to(q.dtype)
+        values = cache_v[key_rows, :, key_slots].to(q.dtype)
+        return attention_over_history(q, keys, values, batch.cu_seqlens, cu_k, batch.max_seqlen, self.span,
                                       sliding_window, kv_index)
+
+    def gather_index(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Where each row's keys come from, built once and shared by the layers (the in-place
+        path never needs it, nor its host sync): cu_k int32 [b+1], key_rows / key_slots int64
+        [T_k] (cache row and slot of every history token)."""
+        if self._gather is None:
+            lengths, rows = self.key_lengths, self.rows
+            cu_k = torch.zeros(len(rows) + 1, dtype=torch.int32, device=rows.device)
+            cu_k[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+            total = int(cu_k[-1])
+            key_rows = torch.repeat_interleave(rows, lengths, output_size=total)
+            first = torch.repeat_interleave(cu_k[:-1].long(), lengths, output_size=total)
+            self._gather = (cu_k, key_rows, torch.arange(total, device=rows.device) - first)
+        return self._gather
 
     def advance(self, batch: PackedBatch) -> None:
         added = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(torch.int64)
@@ -343,5 +352,11 @@ def extension_batch(new_ids: list[Tensor], starts: list[int], device: torch.devi
 
 
 __all__ = [
-    "CacheExtension", "attend_rows_in_place", "DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "extension_batch", "resolve_decode_kernel",
+    "DECODE_KERNELS",
+    "CacheExtension",
+    "FusedQKV",
+    "HeadMajorKVCache",
+    "attend_rows_in_place",
+    "extension_batch",
+    "resolve_decode_kernel",
 ]

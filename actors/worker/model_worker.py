@@ -41,13 +41,10 @@ from torch.distributed import ProcessGroup
 from actors.engine import (
     ModelEngine,
     ParallelGroups,
-    ShardedAdamW,
     adamw_config_from,
     load_hf_checkpoint,
     lookup_parallel_groups,
-    named_trainable_parameters,
     node_address,
-    norm_excluded_names,
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
 from actors.worker.calls import CallContext, CallSpec, timed
@@ -157,17 +154,11 @@ class ModelWorker:
         if self.rank not in placement.mesh.gpus:
             return {"role": role, "rank": self.rank, "held": False}
         groups = self.parallel_groups(placement)
-        if hf_dir is None:
-            engine = ModelEngine(spec, critic, groups, self.device, torch_dtype, seed=seed, optim_config=config)
-            engine.optimizer_host_fraction = state.host_fraction
-        else:
-            engine = ModelEngine(spec, critic, groups, self.device, torch_dtype, seed=None)
+        # The optimizer is built on first use, its master copy from the weights as they are then.
+        engine = ModelEngine(spec, critic, groups, self.device, torch_dtype, seed=seed if hf_dir is None else None,
+                             optim_config=config, optimizer_host_fraction=state.host_fraction)
+        if hf_dir is not None:
             load_hf_checkpoint(hf_dir, spec, critic, engine.model, groups.tp_rank, groups.layout.tp)
-            engine.optimizer_host_fraction = state.host_fraction
-            if config is not None:
-                engine.optimizer = ShardedAdamW(named_trainable_parameters(engine.model), config, groups.dp_group,
-                                                groups.mesh_group, norm_excluded_names(engine.model, spec, groups),
-                                                state.host_fraction)
         if not trainable:
             engine.model.requires_grad_(False)
         state.engines[placement] = engine
@@ -189,8 +180,8 @@ class ModelWorker:
         """The engine of `placement` on this rank, built (without weights) on first use."""
         if placement not in state.engines:
             groups = self.parallel_groups(placement)
-            engine = ModelEngine(state.spec, state.critic, groups, self.device, state.dtype, seed=None)
-            engine.optimizer_host_fraction = state.host_fraction
+            engine = ModelEngine(state.spec, state.critic, groups, self.device, state.dtype, seed=None,
+                                 optimizer_host_fraction=state.host_fraction)
             if not state.trainable or placement != home_of(state):
                 engine.model.requires_grad_(False)
             state.engines[placement] = engine

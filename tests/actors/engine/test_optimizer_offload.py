@@ -129,9 +129,8 @@ def _batch(step: int) -> SequenceBatch:
 
 
 def _engine(fraction: float) -> ModelEngine:
-    engine = ModelEngine(SPEC, False, ParallelGroups.serial(), "cpu", torch.float32, seed=0, optim_config=CONFIG)
-    engine.optimizer_host_fraction = fraction
-    return engine
+    return ModelEngine(SPEC, False, ParallelGroups.serial(), "cpu", torch.float32, seed=0, optim_config=CONFIG,
+                       optimizer_host_fraction=fraction)
 
 
 @pytest.mark.unit
