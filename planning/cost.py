@@ -52,6 +52,7 @@ from planning.cost_terms import (
     activation_bytes,
     allreduce_s,
     call_geometry,
+    decode_stage_s,
     inference_bytes_per_token_layer,
     reduce_scatter_s,
     sampling_s,
@@ -367,8 +368,7 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     n_mb = min(per_round, layout.pp)
     mb = per_round / n_mb
     ctx = traj.ctx
-    kv_read = mb * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
-    per_mb_stage = max((weights + kv_read) / links.hbm, mb * geo.stage_flops_per_token(ctx) / links.flops)
+    per_mb_stage = decode_stage_s(geo, links, mb, ctx)
     tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
     steps = traj.decode_steps

@@ -248,6 +248,18 @@ def p2p_bandwidth(hw: HardwareSpec, mesh_size: int, gpus_per_node: int) -> float
     return hw.inter_node_bw if mesh_size > gpus_per_node else hw.intra_node_bw
 
 
+def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float) -> float:
+    """One decode step of `rows` sequences attending to `ctx` keys on average, on the slowest
+    stage: the projections and the head (one token per row) then the attention, as separate
+    kernels. The projections are bound by streaming the stage's bf16 weights for small batches
+    and by their FLOPs for large ones (2 * rows * params: at 512 rows a 1B model's step is
+    compute-bound on an H200); the attention reads each row's cached K/V once, which no batch
+    size amortises. The two do not overlap (one stream), so their times add."""
+    projections = max(2.0 * geo.stage_params / links.hbm, rows * geo.stage_flops_per_token(0.0) / links.flops)
+    kv_read = rows * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
+    return projections + kv_read / links.hbm
+
+
 def sampling_s(vocab: int, rows: float, tp: int, links: Links) -> float:
     """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
     under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others

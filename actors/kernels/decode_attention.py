@@ -1,4 +1,4 @@
-"""Decode attention as one Triton kernel: append the step's K/V to the cache and attend over each
+"""Decode attention as Triton kernels: append the step's K/V to the cache and attend over each
 sequence's own length, reading every cached K/V byte once.
 
 Why: a decode step is memory-bound, and its attention must read the whole valid KV cache. The
@@ -11,15 +11,25 @@ cache up to a common length. Here one program handles one (sequence, KV head):
     cache  [B, Hkv, L, D]    head-major K and V (actors.generation.kv_cache), slots [0, lengths[b]) valid
     out    [B, Hq, D]
 
-The program stores k_new/v_new at slot lengths[b], then runs an online softmax (flash-decoding
-without the split) over the new token (kept in registers, so no store->load ordering is needed)
-and the cache blocks [lo, lengths[b]) with lo > lengths[b] - window under a sliding window. The
-`group` query heads of the KV head form the rows of a [group_pad, D] tile (padded to 16 for
-tl.dot), so each K/V block is loaded once for all of them. Lengths live on the device and the
-loop bound is read there, so the kernel is CUDA-graph safe and one graph serves every length.
+The program stores k_new/v_new at slot lengths[b], then runs an online softmax over the new
+token (kept in registers, so no store->load ordering is needed) and the cache blocks
+[lo, lengths[b]) with lo > lengths[b] - window under a sliding window. The `group` query heads of
+the KV head form the rows of a [group_pad, D] tile (padded to 16 for tl.dot), so each K/V block
+is loaded once for all of them. Lengths live on the device and the loop bound is read there, so
+the kernel is CUDA-graph safe and one graph serves every length.
+
+Split-K (flash-decoding): B * Hkv programs fill the GPU for a large batch, but a few long
+sequences leave most multiprocessors idle while one program walks a cache of thousands of slots.
+With `splits` = S > 1 the grid is (B, Hkv, S): split s reads slots [s * chunk, (s+1) * chunk)
+clipped to [lo, lengths[b]) (chunk from the cache capacity L, a multiple of the block size, so
+the launch depends on no length), split 0 also writes and attends to the new token, and each
+stores its unnormalised partial (running max m, normaliser l, accumulator acc) in float32. A
+second kernel merges the S partials of each query row: M = max m_s, w_s = exp(m_s - M),
+out = sum w_s acc_s / sum w_s l_s (an empty split has m = -inf, so w = 0). `decode_splits`
+picks S from the shape and the GPU's multiprocessor count when it is not given.
 
 `gqa_decode_attention_reference` is the plain-torch twin (tests compare the two; on CPU the
-kernel runs only in Triton's interpreter, see actors.kernels.switch). Lengths are not
+kernels run only in Triton's interpreter, see actors.kernels.switch). Lengths are not
 advanced here: the cache does that after the whole forward.
 """
 
@@ -30,6 +40,15 @@ from torch import Tensor
 
 from actors.kernels.switch import triton_installed
 
+# decode_splits: split only grids under 2 programs per SM (64 sequences x 8 KV heads of 2048 slots,
+# ~3.9 per SM, read at ~97% of an H200's bandwidth unsplit and ~86% split in 2), then up to ~4 per
+# SM; chunks of >= 256 slots, at most 16 splits (benchmarks/decode_attention_bench.py).
+SPLIT_BELOW_PER_SM = 2
+PROGRAMS_PER_SM = 4
+MIN_CHUNK = 256
+MAX_SPLITS = 16
+_SM_COUNTS: dict[int, int] = {}  # CUDA device index -> multiprocessors
+
 if triton_installed():
     import triton
     import triton.language as tl
@@ -38,6 +57,41 @@ if triton_installed():
     # best choice moves with the GPU. Re-running a config is harmless (it rewrites the same slot).
     _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                 for n, w, st in ((32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (64, 2, 3))]
+    # Split chunks are multiples of the largest block, hence of every tuned block size.
+    _TUNED_CHUNK_ALIGN = max(c.kwargs["BLOCK_N"] for c in _CONFIGS)
+
+    @triton.jit
+    def _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, hi, scale,
+                       HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Online softmax of the rows q [GROUP_PAD, D] over cache slots [lo, hi), carrying the running
+        max m_i and normaliser l_i [GROUP_PAD] and the accumulator acc [GROUP_PAD, D] (float32).
+        Every visited block holds slot `start` < hi, so each row's block max is finite and m_new is
+        too: exp(m_i - m_new) is exp(-inf) = 0, never NaN, when m_i starts at -inf (empty split)."""
+        dims = tl.arange(0, HEAD_DIM)
+        for start in range(lo, hi, BLOCK_N):
+            slots = start + tl.arange(0, BLOCK_N)
+            slot_ok = slots < hi
+            offs = cache + slots[:, None] * stride_cl + dims[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q.to(k.dtype), tl.trans(k))
+            # Every product with `scale` is cast back: under torch.compile a float argument may
+            # arrive as a float64 scalar, which would promote the loop-carried values.
+            s = tl.where(slot_ok[None, :], (s * scale).to(tl.float32), float("-inf"))  # [GROUP_PAD, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit
     def _gqa_decode_kernel(
@@ -64,44 +118,109 @@ if triton_installed():
         # Rounded to the cache dtype like the cached keys/values the reference reads back.
         k_self = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
         v_self = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-        # Every product with `scale` is cast back: under torch.compile a float argument may
-        # arrive as a float64 scalar, which would promote the loop-carried values.
         m_i = (tl.sum(q.to(tl.float32) * k_self[None, :], axis=1) * scale).to(tl.float32)  # [GROUP_PAD]
         l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + v_self[None, :]
         lo = tl.maximum(length - window + 1, 0)  # no window: window is 2**30, so lo = 0
-        for start in range(lo, length, BLOCK_N):
-            slots = start + tl.arange(0, BLOCK_N)
-            slot_ok = slots < length
-            offs = cache + slots[:, None] * stride_cl + dims[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q.to(k.dtype), tl.trans(k))
-            s = tl.where(slot_ok[None, :], (s * scale).to(tl.float32), float("-inf"))  # [GROUP_PAD, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, length,
+                                       scale, HEAD_DIM, IEEE, BLOCK_N)
         out = acc / l_i[:, None]
         out_rows = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + dims[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
+    @triton.jit
+    def _gqa_decode_split_kernel(
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
+        scale, window, chunk,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # One (sequence b, KV head h, split s): slots [s * chunk, (s+1) * chunk) of [lo, length).
+        # Partials m, l [B, Hq, S] and acc [B, Hq, S, D] (float32, contiguous), unnormalised.
+        b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_splits = tl.num_programs(2)
+        rows = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < GROUP
+        q = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [GROUP_PAD, D]
+        k_new = tl.load(k_new_ptr + b * stride_kb + h * stride_kh + dims)  # [D]
+        v_new = tl.load(v_new_ptr + b * stride_vb + h * stride_vh + dims)
+        length = tl.load(lengths_ptr + b).to(tl.int32)
+        cache = b * stride_cb + h * stride_ch
+        first = split == 0
+        if first:  # only split 0 writes slot `length`; the others read slots < length, so no race
+            tl.store(k_cache_ptr + cache + length * stride_cl + dims, k_new.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + cache + length * stride_cl + dims, v_new.to(v_cache_ptr.dtype.element_ty))
+        # Split 0 starts from the new token (as _gqa_decode_kernel does), the others empty.
+        k_self = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+        v_self = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+        m_self = (tl.sum(q.to(tl.float32) * k_self[None, :], axis=1) * scale).to(tl.float32)
+        m_i = tl.where(first, m_self, float("-inf"))  # [GROUP_PAD]
+        l_i = tl.zeros([GROUP_PAD], tl.float32) + first.to(tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + tl.where(first, v_self, 0.0)[None, :]
+        lo = tl.maximum(tl.maximum(length - window + 1, 0), split * chunk)
+        hi = tl.minimum(length, (split + 1) * chunk)
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, hi,
+                                       scale, HEAD_DIM, IEEE, BLOCK_N)
+        part = ((b * tl.num_programs(1) + h) * GROUP + rows) * n_splits + split  # [GROUP_PAD]
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits,
+                               HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        # One query row (b * Hq + head) of the contiguous out [B, Hq, D]: merge its S partials.
+        row = tl.program_id(0)
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        ok = splits < n_splits
+        part = row * n_splits + splits
+        m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))  # [SPLITS_PAD]
+        l_s = tl.load(l_ptr + part, mask=ok, other=0.0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))  # split 0 holds the new token: the max is finite
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)  # [D]
+        tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+    # Both tuned on their first call per (group, head_dim). The split kernel's best block size also
+    # moves with the chunk length (benchmarks/decode_attention_bench.py); keying on it would re-tune
+    # for every cache capacity.
     _gqa_decode_tuned = triton.autotune(configs=_CONFIGS, key=["GROUP", "HEAD_DIM"])(_gqa_decode_kernel)
+    _gqa_decode_split_tuned = triton.autotune(configs=_CONFIGS, key=["GROUP", "HEAD_DIM"])(_gqa_decode_split_kernel)
 
 
 def kernel_supports_head_dim(head_dim: int) -> bool:
     """Whether the Triton kernel handles `head_dim` (tl.arange needs a power of two; the MMA a
     size of at least 16)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def decode_splits(n_seqs: int, n_kv: int, capacity: int, n_sms: int) -> int:
+    """Split count S for the split-K kernel, from the shape alone (no lengths: the choice is the
+    same at every step of a captured CUDA graph). 1 when the n_seqs * n_kv programs already number
+    SPLIT_BELOW_PER_SM * n_sms (e.g. 512 sequences x 8 KV heads on 132 SMs): splitting then only
+    adds the partials' traffic and a second launch. Otherwise the smallest power of two with
+    n_seqs * n_kv * S >= PROGRAMS_PER_SM * n_sms (enough loads in flight on every multiprocessor),
+    capped so that each split's chunk of the `capacity` cache slots keeps >= MIN_CHUNK slots and
+    S <= MAX_SPLITS: e.g. 16 for 8 sequences x 2 KV heads x 8192 slots."""
+    programs = n_seqs * n_kv
+    if programs >= SPLIT_BELOW_PER_SM * n_sms:
+        return 1
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * n_sms and capacity // (2 * splits) >= MIN_CHUNK:
+        splits *= 2
+    return splits
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, cached (a plain dict: torch.compile traces it quietly)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def _check_shapes(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> None:
@@ -118,33 +237,67 @@ def _check_shapes(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_ca
 
 
 def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                         lengths: Tensor, sliding_window: int | None = None, block_n: int | None = None) -> Tensor:
+                         lengths: Tensor, sliding_window: int | None = None, block_n: int | None = None,
+                         splits: int | None = None) -> Tensor:
     """Write k_new/v_new at slot lengths[b] of the caches and attend; returns [B, Hq, D] in q's
-    dtype (shapes in the module docstring). Runs the Triton kernel (CUDA, or CPU under the
+    dtype (shapes in the module docstring). Runs the Triton kernels (CUDA, or CPU under the
     interpreter); head_dim must be a power of two >= 16 and every cache must have room.
-    block_n: cache slots per loop step; None autotunes on CUDA (64 in the interpreter)."""
+    block_n: cache slots per loop step; None autotunes on CUDA (64 in the interpreter).
+    splits: programs per (sequence, KV head), 1 for the unsplit kernel; None: `decode_splits` of
+    the shape on CUDA when autotuning, else 1."""
     _check_shapes(q, k_new, v_new, k_cache, v_cache, lengths)
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits={splits!r}: must be a positive integer, or None to choose from the shape")
     n_seqs, n_q, head_dim = q.shape
     n_kv = k_new.shape[1]
-    group = n_q // n_kv
     if not kernel_supports_head_dim(head_dim):
         raise ValueError(f"head_dim={head_dim}: the Triton decode kernel needs a power of two >= 16")
     # Any batch/head strides (e.g. slices of a fused projection), but unit strides along head_dim.
     q, k_new, v_new = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k_new, v_new))
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("gqa_decode_attention: the K/V caches need the same strides and a unit last stride")
+    tuned = block_n is None and q.device.type == "cuda"
+    if splits is None:
+        splits = decode_splits(n_seqs, n_kv, k_cache.shape[2], _sm_count(q.device)) if tuned else 1
     out = torch.empty(n_seqs, n_q, head_dim, dtype=q.dtype, device=q.device)
-    args = (q, k_new, v_new, k_cache, v_cache, lengths, out,
-            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-            head_dim**-0.5, sliding_window or 2**30)
-    meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                IEEE=k_cache.dtype == torch.float32)
-    if block_n is None and q.device.type == "cuda":
-        _gqa_decode_tuned[(n_seqs, n_kv)](*args, **meta)
+    inputs = (q, k_new, v_new, k_cache, v_cache, lengths)
+    strides = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    group = n_q // n_kv
+    meta = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim,
+            "IEEE": k_cache.dtype == torch.float32}
+    scale, window = head_dim**-0.5, sliding_window or 2**30
+    if splits > 1:
+        _split_decode(inputs, strides, out, scale, window, splits, block_n, tuned, meta)
+    elif tuned:
+        _gqa_decode_tuned[(n_seqs, n_kv)](*inputs, out, *strides, out.stride(0), out.stride(1), scale, window, **meta)
     else:
-        _gqa_decode_kernel[(n_seqs, n_kv)](*args, **meta, BLOCK_N=block_n or 64)
+        _gqa_decode_kernel[(n_seqs, n_kv)](*inputs, out, *strides, out.stride(0), out.stride(1), scale, window,
+                                           **meta, BLOCK_N=block_n or 64)
     return out
+
+
+def _split_decode(inputs: tuple[Tensor, ...], strides: tuple[int, ...], out: Tensor, scale: float, window: int,
+                  splits: int, block_n: int | None, tuned: bool, meta: dict[str, object]) -> None:
+    """The split-K path into `out` (contiguous [B, Hq, D]): partials of every split, then the merge."""
+    n_seqs, n_q, head_dim = out.shape
+    n_kv, capacity = inputs[3].shape[1], inputs[3].shape[2]
+    # chunk: ceil(capacity / splits) slots rounded up to the block size (the largest tuned one on
+    # CUDA), so every split but the last starts on a block boundary; fixed by the capacity alone.
+    align = _TUNED_CHUNK_ALIGN if tuned else block_n or 64
+    per_split = -(-capacity // splits)
+    chunk = -(-per_split // align) * align
+    m_part = torch.empty(n_seqs, n_q, splits, dtype=torch.float32, device=out.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(n_seqs, n_q, splits, head_dim, dtype=torch.float32, device=out.device)
+    grid = (n_seqs, n_kv, splits)
+    if tuned:
+        _gqa_decode_split_tuned[grid](*inputs, m_part, l_part, acc_part, *strides, scale, window, chunk, **meta)
+    else:
+        _gqa_decode_split_kernel[grid](*inputs, m_part, l_part, acc_part, *strides, scale, window, chunk, **meta,
+                                       BLOCK_N=block_n or 64)
+    _combine_splits_kernel[(n_seqs * n_q,)](m_part, l_part, acc_part, out, splits,
+                                            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits))
 
 
 def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -167,4 +320,4 @@ def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_ca
     return out.reshape(n_seqs, n_q, head_dim).to(q.dtype)
 
 
-__all__ = ["gqa_decode_attention", "gqa_decode_attention_reference"]
+__all__ = ["decode_splits", "gqa_decode_attention", "gqa_decode_attention_reference", "kernel_supports_head_dim"]

@@ -1,6 +1,7 @@
-"""The Triton decode attention kernel (actors.kernels.decode_attention) against its torch twin and the
-SDPA decode path: cache writes, GQA groups, per-sequence lengths (0 included), sliding windows,
-and whole generations token-for-token. Without CUDA the kernel runs in Triton's interpreter
+"""The Triton decode attention kernels (actors.kernels.decode_attention) against their torch twin and
+the SDPA decode path: cache writes, GQA groups, per-sequence lengths (0 included), sliding windows,
+the split-K variant for several split counts (and its automatic choice), and whole generations
+token-for-token. Without CUDA the kernel runs in Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay tiny."""
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from actors.engine.model import Transformer  # noqa: E402
+from actors.engine.model import Transformer
 from actors.generation.decoding import GenerationConfig
-from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel  # noqa: E402
-from actors.generation.loop import generate  # noqa: E402
-from actors.generation.sampling import SamplingParams  # noqa: E402
-from actors.kernels.decode_attention import gqa_decode_attention, gqa_decode_attention_reference  # noqa: E402
-from actors.kernels.switch import triton_runs  # noqa: E402
-from planning.models import ModelSpec  # noqa: E402
+from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel
+from actors.generation.loop import generate
+from actors.generation.sampling import SamplingParams
+from actors.kernels.decode_attention import (
+    decode_splits,
+    gqa_decode_attention,
+    gqa_decode_attention_reference,
+)
+from actors.kernels.switch import triton_runs
+from planning.models import ModelSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_runs(DEVICE), reason="Triton cannot run here (no CUDA, no interpreter)")
@@ -47,13 +52,14 @@ def test_kernel_matches_reference_and_writes_the_slot(window: int | None, group:
     assert torch.equal(k_cache[rows, :, lengths], k_new)
 
 
-def test_kernel_ignores_slots_past_each_length() -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_ignores_slots_past_each_length(splits: int) -> None:
     q, k_new, v_new, k_cache, v_cache = random_case(2, 1, 2, 16, 24, seed=1)
     lengths = torch.tensor([3, 10], device=DEVICE)
-    first = gqa_decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), lengths, block_n=16)
+    first = gqa_decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), lengths, block_n=16, splits=splits)
     k_cache[:, :, 11:] = 1e4  # garbage beyond every sequence's end (slot lengths + 1 onwards)
     v_cache[:, :, 11:] = float("nan")
-    second = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, block_n=16)
+    second = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, block_n=16, splits=splits)
     assert torch.equal(first, second)
 
 
@@ -65,6 +71,68 @@ def test_kernel_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="head_dim=12"):
         gqa_decode_attention(q[..., :12], k_new[..., :12], v_new[..., :12], k_cache[..., :12].contiguous(),
                              v_cache[..., :12].contiguous(), lengths)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("group", [1, 4])
+def test_split_kernel_matches_reference_and_writes_the_slot(splits: int, window: int | None, group: int) -> None:
+    # Capacity 40, block 16: chunks of 32 (S=2) or 16 (S=3, 4; the 4th split is always empty).
+    # Lengths: empty, mid-block, a chunk boundary (16; 32 for S=2), one past it, the last slot.
+    q, k_new, v_new, k_cache, v_cache = random_case(6, 2, group, 16, 40, seed=5)
+    lengths = torch.tensor([0, 7, 16, 17, 32, 39], device=DEVICE)
+    k_one, v_one, k_ref, v_ref = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    out = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, window, block_n=16, splits=splits)
+    ref = gqa_decode_attention_reference(q, k_new, v_new, k_ref, v_ref, lengths, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    unsplit = gqa_decode_attention(q, k_new, v_new, k_one, v_one, lengths, window, block_n=16, splits=1)
+    torch.testing.assert_close(out, unsplit, rtol=1e-5, atol=1e-5)
+    # The same slot written as by the unsplit kernel and the reference, nothing else touched.
+    assert torch.equal(k_cache, k_one) and torch.equal(v_cache, v_one)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_split_kernel_takes_strided_views_and_more_splits_than_blocks() -> None:
+    q, k_new, v_new, k_cache, v_cache = random_case(3, 2, 2, 16, 20, seed=6)
+    fused = torch.cat([q, k_new, v_new], dim=1)
+    lengths = torch.tensor([2, 0, 19], device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    # 8 splits of a 20-slot cache in blocks of 16: chunks of 16, splits 2-7 empty everywhere.
+    out = gqa_decode_attention(fused[:, :4], fused[:, 4:6], fused[:, 6:8], k_cache, v_cache, lengths,
+                               block_n=16, splits=8)
+    ref = gqa_decode_attention_reference(q, k_new, v_new, k_ref, v_ref, lengths)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_splits_fills_the_gpu_within_bounds() -> None:
+    assert decode_splits(512, 8, 640, 132) == 1  # 4096 programs already fill 132 SMs
+    assert decode_splits(8, 2, 8192, 132) > 1
+    assert decode_splits(8, 2, 8192, 132) == 16  # 16 programs; chunks of 512 slots
+    assert decode_splits(64, 8, 2048, 132) == 1  # 512 programs: about 4 per SM already
+    assert decode_splits(16, 8, 4096, 132) == 8  # 128 programs: split to 1024
+    assert decode_splits(1, 1, 300, 132) == 1  # a split would read chunks under 256 slots
+    assert decode_splits(1, 1, 512, 132) == 2
+    for n_seqs in (1, 3, 16, 100, 1024):
+        for capacity in (1, 255, 1000, 4096, 1 << 20):
+            splits = decode_splits(n_seqs, 4, capacity, 132)
+            assert 1 <= splits <= 16 and splits & (splits - 1) == 0
+            assert splits == 1 or capacity // splits >= 256
+
+
+def test_auto_splits_off_cuda_is_the_unsplit_kernel() -> None:
+    q, k_new, v_new, k_cache, v_cache = random_case(2, 2, 2, 16, 12, seed=7)
+    lengths = torch.tensor([5, 11], device=DEVICE)
+    auto = gqa_decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), lengths, block_n=16)
+    one = gqa_decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), lengths, block_n=16, splits=1)
+    assert torch.equal(auto, one)
+
+
+@pytest.mark.parametrize("splits", [0, -2])
+def test_kernel_rejects_bad_splits(splits: int) -> None:
+    q, k_new, v_new, k_cache, v_cache = random_case(1, 1, 1, 16, 4)
+    lengths = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=f"splits={splits}"):
+        gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, splits=splits)
 
 
 def test_kernel_choice() -> None:
