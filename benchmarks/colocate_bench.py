@@ -2,8 +2,7 @@
 
 With bounded staleness 1 the generation of batch i+1 reads the policy from before training i, so
 it could run on the same GPU while that training runs: decode is memory-bound, training
-compute-bound, and two CUDA streams let the GPU interleave them. This measures whether that beats
-running them back to back, and by how much; the feature is kept only if it wins.
+compute-bound. This measures whether two CUDA streams beat running them back to back.
 
 The work is peer_bench's GRPO step, Llama-3.2-1B shape, bf16, random weights: a ModelEngine
 (tp=1, AdamW) trains 512 sequences of 640 tokens in one optimizer step, 16 micro-batches of
@@ -18,8 +17,7 @@ Phases, each wrapped so that a failure prints the error and the table keeps what
 times: two threads, each with its own CUDA stream, released together by a threading.Barrier: the
 wall time until both have finished and each thread's finishing time from that release. Serial
 sum = train alone + generate alone; speedup = serial sum / concurrent wall; "wins by" speedup - 1.
-Each role runs in one persistent thread (a one-worker pool) on its own stream in every phase, so
-the alone phases run the concurrent phase's code path and per-thread state is set up in warm-up.
+Each role runs in one persistent thread on its own stream in every phase (the same code path).
 
 CUDA graph capture. `generate` builds a new `DecodeStep` per call, which captures its graph at the
 first decode step: one graph per call (the Triton decode attention reads each sequence's length;
