@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity_bench.py --out DIR          # one H200: the sweep + the issue's "Why" run
     python benchmarks/fidelity_bench.py --tiny --out DIR   # CPU, tiny models, virtual GPU: a quick check
+    python benchmarks/fidelity_bench.py --sizes --iterations 2 --out DIR   # 0.5B/1.5B/3B actors, before calibration
 
 PPO and GRPO with Llama-3.2-1B-shaped models (random weights; the actor, its reference, a reward
 model, and PPO's critic) on one GPU, over a sweep of batch shapes (64-512 sequences, 128-1024
@@ -35,7 +36,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,8 @@ class Shape:
     gen_len: int
     minibatches: int
     iterations: int = ITERATIONS
-    actor: str = "llama3.2-1b"  # the actor's (and reference's) preset; the reward model stays 1B
+    actor: str = "llama3.2-1b"  # the actor's (and reference's) preset
+    critic: str = "llama3.2-1b"  # the reward model's and PPO's critic's (a vocabulary like the actor's)
 
     @property
     def sequences(self) -> int:
@@ -87,6 +89,13 @@ WHY = Shape("why-grpo-64x8x128+512-mb1", "grpo", 64, 8, 128, 512, 1, WHY_ITERATI
 # Issue 25: an 8B actor that fits one H200 only with part of its optimizer state in host memory
 # (the plan chooses how much); selected with --only, not part of the default sweep.
 OFFLOAD = Shape("offload-grpo-8b-32x8x128+512", "grpo", 32, 8, 128, 512, 1, 5, actor="llama3-8b")
+# Issue 27: other model sizes, to set and check the preset's efficiencies beyond the 1B sweep
+# (`--sizes`; the Qwen actors' reward model and critic are Qwen too: the same vocabulary).
+SIZES = (
+    Shape("size-0.5b-grpo-64x8x256+512-mb4", "grpo", 64, 8, 256, 512, 4, actor="qwen2.5-0.5b", critic="qwen2.5-0.5b"),
+    Shape("size-1.5b-ppo-128x512+512-mb8", "ppo", 128, 1, 512, 512, 8, actor="qwen2.5-1.5b", critic="qwen2.5-0.5b"),
+    Shape("size-3b-grpo-32x8x128+1024-mb1", "grpo", 32, 8, 128, 1024, 1, actor="llama3.2-3b"),
+)
 TINY_SHAPES = (Shape("tiny-ppo", "ppo", 8, 1, 16, 8, 2),)
 TINY_WHY = Shape("tiny-why-grpo", "grpo", 2, 4, 16, 8, 1)
 
@@ -104,7 +113,7 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
     written to <run_dir>/config.yaml so that `python -m app train` can repeat it."""
     data = run_dir / "prompts.jsonl"
     write_prompts(data, shape.prompts * 2, shape.prompt_len)
-    model, critic = ("tiny", "tiny-critic") if tiny else (shape.actor, "llama3.2-1b")
+    model, critic = ("tiny", "tiny-critic") if tiny else (shape.actor, shape.critic)
     models: dict[str, Any] = {"actor": {"preset": model}, "reward": {"preset": critic}}
     if shape.algorithm == "ppo":
         models["critic"] = {"preset": critic}
@@ -279,13 +288,26 @@ def main() -> None:
     parser.add_argument("--out", default="fidelity-out",
                         help="results folder; each run of the script writes OUT/run-NNN/ (fidelity.json, the runs)")
     parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--sizes", action="store_true",
+                        help="the other model sizes (SIZES: 0.5B, 1.5B and 3B actors, then the 8B offload run) "
+                             "instead of the 1B sweep")
+    parser.add_argument("--iterations", type=int, default=0,
+                        help="iterations of every run (default: each shape's own); 2 measures the plan "
+                             "before calibration only (iteration 0 warms up, iteration 1 is compared)")
     args = parser.parse_args()
+    if args.iterations < 0 or args.iterations == 1:
+        parser.error(f"--iterations={args.iterations}: 0 (each shape's own) or >= 2 (iteration 1 is the one measured)")
     out = fresh_run_dir(Path(args.out).resolve())
     print(f"run directory: {out}", flush=True)
     # The issue's run first: if the device's time limit cuts the sweep short, it is not the one lost.
     shapes = [TINY_WHY if args.tiny else WHY, *(TINY_SHAPES if args.tiny else SHAPES)]
+    if args.sizes:  # the 8B run last: a device time limit cuts it rather than the others
+        shapes = list(TINY_SHAPES if args.tiny else (*SIZES, OFFLOAD))
     if args.only:
-        shapes = [s for s in [*shapes, OFFLOAD] if s.name in args.only.split(",")]
+        known = {s.name: s for s in [*shapes, *SIZES, OFFLOAD]}
+        shapes = [known[name] for name in args.only.split(",") if name in known]
+    if args.iterations:
+        shapes = [replace(s, iterations=args.iterations) for s in shapes]
     start_ray(args.tiny)
     results = []
     for shape in shapes:

@@ -39,7 +39,8 @@ GIB = 2**30
 
 
 def run_plan(plan_json: dict[str, Any], graph: Graph) -> tuple[ExecutionPlan, dict[str, tuple[str, str]]]:
-    """The plan a run started with (placements and executions) and each call's (kind, role).
+    """The plan a run started with (placements, executions, optimizer offload) and each call's
+    (kind, role).
     One-GPU sweeps only: every call on GPU 0 (a call the plan leaves out with the execution the
     simulator gives it)."""
     gpu0 = Placement(Mesh(0, 1, 1), Layout(1, 1, 1))
@@ -51,7 +52,8 @@ def run_plan(plan_json: dict[str, Any], graph: Graph) -> tuple[ExecutionPlan, di
         name = call["name"]
         executions[name] = (CallExecution(gen_rounds=call["gen_rounds"]) if call["kind"] == "generate"
                             else CallExecution(micro_batch_tokens=call["micro_batch_tokens"]))
-    return ExecutionPlan.from_dict(placements, executions), kinds
+    plan = ExecutionPlan.from_dict(placements, executions).with_offload(plan_json.get("optimizer_offload") or {})
+    return plan, kinds
 
 
 def results_dir(path: Path) -> Path:
@@ -70,6 +72,9 @@ def reprice(results: Path, freed_gib: float, freed_train_gib: float) -> list[tup
     for run in json.loads((results / "fidelity.json").read_text()):
         name = run["shape"]["name"]
         run_dir = results / name
+        if not (run_dir / "plan.json").is_file():  # the run failed before it planned (its error says why)
+            print(f"{name:28s} skipped: no plan ({run.get('error', '')[:100]})")
+            continue
         cfg = load_config(run_dir / "config.yaml", ["data.path=toy", f"run.dir={run_dir / 'reprice'}"])
         problem = build_problem(cfg)
         plan, kinds = run_plan(json.loads((run_dir / "plan.json").read_text()), problem.graph)

@@ -108,7 +108,7 @@ def calibrate(problem: PlanningProblem, plan: ExecutionPlan, measured: dict[str,
 
     for _ in range(sweeps):
         for name in values:
-            best = _golden_min(lambda log_e, n=name: objective({**values, n: math.exp(log_e)}),
+            best = golden_min(lambda log_e, n=name: objective({**values, n: math.exp(log_e)}),
                                math.log(MIN_FACTOR), math.log(MAX_EFFICIENCY))
             values[name] = min(max(math.exp(best), MIN_FACTOR), MAX_EFFICIENCY)
     efficiency = OpEfficiency(**values)
@@ -193,7 +193,7 @@ def _memory_scale(problem: PlanningProblem, plan: ExecutionPlan, peaks: dict[str
     return min(max(num / den, MEMORY_SCALE_RANGE[0]), MEMORY_SCALE_RANGE[1])
 
 
-def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 40) -> float:
+def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 40) -> float:
     """argmin of a unimodal-ish f on [lo, hi] by golden-section search (returns x, not f(x))."""
     a, b = lo, hi
     c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
@@ -211,4 +211,4 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: i
 
 
 __all__ = ["MEMORY_SCALE_RANGE", "MIN_FACTOR", "Calibration", "CallMeasurement", "calibrate", "calibrated_problem",
-           "with_measured_rollout"]
+           "golden_min", "with_measured_rollout"]

@@ -45,6 +45,9 @@ from dataclasses import dataclass, field, replace
 
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
+    GEMM_RAMP_TOKENS,
+    GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
+    OPTIMIZER_TRAFFIC_PER_PARAM,
     SAMPLING_BYTES_PER_LOGIT,
     CallGeometry,
     Links,
@@ -65,9 +68,6 @@ from planning.plan import CallExecution, ExecutionPlan, Placement, check_executi
 
 # Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
 MAX_MICRO_TOKENS = 16384
-# HBM bytes the optimizer step moves per parameter of its shard: read+write master, m, v
-# (fp32, 24 bytes), read the bf16 gradient, write the bf16 parameter.
-OPTIMIZER_TRAFFIC_PER_PARAM = 28
 
 
 @dataclass(frozen=True)
@@ -293,10 +293,12 @@ def _pass_time(
     mb_tokens = tokens / n_micro
     # Roofline per micro-batch and pass: the matmuls cannot beat streaming the stage's bf16
     # weights from HBM once, so short micro-batches are memory-bound, not free.
-    matmul_s = mb_tokens * geo.stage_flops_per_token(ctx) / links.flops
+    # Each micro-batch's GEMMs also pay a ramp and a partly filled last wave, about as long as
+    # GEMM_RAMP_TOKENS more tokens (an 8B model's 1024-token micro-batches run ~2/3 as fast).
+    matmul_s = (mb_tokens + GEMM_RAMP_TOKENS) * geo.stage_flops_per_token(ctx) / links.flops
     compute = passes * n_micro * max(matmul_s, 2.0 * geo.stage_params / links.hbm)
     # Norms, residuals, rotary, activations: memory-bound, and mostly not split by tp.
-    elementwise = passes * tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.hw.hbm_bw
+    elementwise = passes * tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.elementwise_hbm
     overhead = passes * n_micro * geo.stage_layers * links.hw.kernel_overhead_s
     # 2 all-reduces of a (mb_tokens, hidden) bf16 activation per layer per direction.
     directions = 1 if passes == 1 else 2
@@ -325,7 +327,7 @@ def _forward_backward(
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
-                                                  mfc.with_entropy)
+                                                  mfc.with_entropy, links.hw.fused_elementwise)
     parts["micro_batches"] = float(n_micro)  # informational: neither seconds nor bytes
     if train and mfc.recompute_forward:
         # One forward over the replica's whole batch (every minibatch), in micro-batches of the
@@ -341,6 +343,7 @@ def _forward_backward(
         parts["dp_comm_s"] = steps * 2 * reduce_scatter_s(grad_bytes, layout.dp, links.dp_bw, links.lat)
         shard = geo.stage_params / layout.dp
         parts["optimizer_s"] = steps * (shard * OPTIMIZER_TRAFFIC_PER_PARAM / links.opt_hbm + links.hw.kernel_overhead_s)
+        parts["grad_accumulation_s"] = steps * n_micro * geo.stage_params * GRAD_ACCUMULATION_TRAFFIC_PER_PARAM / links.opt_hbm
         parts["grad_bytes"] = grad_bytes
         optimizer, host = optimizer_parts(shard, offload, links.hw.host_bw, steps)
         parts.update(optimizer)
@@ -376,6 +379,7 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     # The last stage samples every micro-batch every step; it is then the busiest stage.
     parts["sampling_s"] = steps * slots * sampling_s(spec.vocab_size, mb, layout.tp, links)
     parts["kernel_overhead_s"] = parts.get("kernel_overhead_s", 0.0) + steps * slots * geo.stage_layers * links.hw.kernel_overhead_s
+    parts["setup_s"] = geo.stage_layers * links.hw.generate_setup_s
     parts["tp_comm_s"] = parts.get("tp_comm_s", 0.0) + steps * slots * tp_s
     if layout.pp > 1:
         send = links.lat + mb * spec.hidden_size * 2 / links.pp_bw

@@ -84,7 +84,7 @@ def observation_parts(geo: CallGeometry, layout: Layout, links: Links, seqs: int
     kv_read = seqs * traj.ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
     matmul = max(tokens * geo.stage_flops_per_token(0.0) / links.flops, 2.0 * geo.stage_params / links.hbm)
     history = kv_read / links.hbm + tokens * geo.stage_layers * geo.attn_flops_per_ctx * traj.ctx / links.flops
-    elementwise = tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.hw.hbm_bw
+    elementwise = tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.elementwise_hbm
     overhead = geo.stage_layers * links.hw.kernel_overhead_s
     tp = geo.stage_layers * 2 * allreduce_s(tokens * geo.spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     parts["obs_prefill_s"] = traj.turns * (matmul + history + elementwise + overhead + tp)

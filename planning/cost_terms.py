@@ -24,6 +24,20 @@ from planning.plan import Placement
 # self-calibration (`planning.calibrate`) may find a machine faster than its preset says (> 1).
 MAX_EFFICIENCY = 4.0
 
+# HBM bytes one optimizer step moves per parameter of its shard, kernel by kernel as
+# actors.engine.optimizer runs it on fp32 slices, counted in 4-byte reads (r) and writes (w):
+# zero the gradient buffer (w), scale it (r w), the norm's square and sum (r w r), clipping
+# (r w), m and v (mul r w, add / addcmul r r w: 5 each), weight decay (r w), the denominator's
+# sqrt, divide and +eps (6), addcdiv (r r r w): 30 x 4 bytes; then the bf16 copy into the
+# parameters (read 4, write 2): 126 bytes. Measured on an H200 (issue 27, docs/benchmarks.md):
+# a 1B model's training call costs ~35 ms more per extra optimizer step; 126 x 1.24B / 4.3 TB/s
+# is 36 ms.
+OPTIMIZER_TRAFFIC_PER_PARAM = 126
+# Tokens' worth of FLOPs a pass over one micro-batch pays on top of its own (`_pass_time`).
+GEMM_RAMP_TOKENS = 512
+# And per micro-batch of a train call: backward writes each parameter's bf16 gradient (2 bytes),
+# which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
+GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
 # saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
 TRAIN_LOGIT_BYTES = 4
@@ -41,15 +55,17 @@ SAMPLING_PASSES = 8
 @dataclass(frozen=True)
 class OpEfficiency:
     """Factors of the hardware peaks each kind of op reaches, in (0, MAX_EFFICIENCY]. 1.0 trusts
-    the `HardwareSpec` figures as they are (presets already fold typical efficiencies in); a
-    profile that measured, say, decode at 70% of the preset's HBM rate sets decode=0.7, and a
-    calibration from a run's own call times may go above 1 where the preset is pessimistic."""
+    the `HardwareSpec` figures as they are; a preset measured on its GPU has fitted factors
+    (`PRESET_EFFICIENCY`), a profile that measured, say, decode at 70% of its HBM rate sets
+    decode=0.7, and a calibration from a run's own call times may go above 1 where the figures
+    are pessimistic."""
 
     gemm: float = 1.0  # prefill / forward / backward matmuls vs peak_flops
     decode: float = 1.0  # decode weight + KV streaming vs hbm_bw
     comm: float = 1.0  # collectives and p2p vs link bandwidths
     tp_comm: float = 1.0  # tp all-reduces inside real forward/backward steps, on top of comm
     optimizer: float = 1.0  # Adam step streaming vs hbm_bw
+    elementwise: float = 1.0  # the non-matmul kernels of forward / backward passes vs hbm_bw
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,6 +82,24 @@ class OpEfficiency:
         return OpEfficiency(**{k: float(v) for k, v in data.items()})
 
 
+# Efficiencies the engine's kernels reach on a preset's GPU, fitted to the first plans of measured
+# runs (benchmarks/fit_efficiency.py; docs/benchmarks.md, issue 27): what a plan assumes before a
+# run's own calibration (planning.calibrate) or a measured profile replaces them. A preset not
+# listed takes 1.0: its peaks already fold typical efficiencies in.
+# h200-141g: relative to its measured ceilings (785 TFLOP/s, 4.3 TB/s); fitted to 42 calls of 8
+# runs (1B sweep, a 3B and an 8B actor, 2026-12-03): estimates within 3.9% at the median, 11.6% at
+# worst (13.0% with each run left out of its own fit). gemm > 1: the largest GEMMs beat the
+# square matmul the ceiling was measured with, and the counts leave out no FLOPs they overlap.
+PRESET_EFFICIENCY: dict[str, OpEfficiency] = {
+    "h200-141g": OpEfficiency(gemm=1.12, decode=1.06, elementwise=1.07),
+}
+
+
+def preset_efficiency(gpu: str) -> OpEfficiency:
+    """The efficiency factors of hardware preset `gpu` (every factor 1.0 where none were fitted)."""
+    return PRESET_EFFICIENCY.get(gpu, OpEfficiency())
+
+
 # Non-matmul work of a decoder block in the engine's forward/backward passes (RMSNorms, residual
 # adds, rotary, the SiLU gate, casts and copies around them), as effective HBM bytes per token per
 # block per pass. Without sequence parallelism the ops on [tokens, hidden] run whole on every tp
@@ -75,7 +109,10 @@ class OpEfficiency:
 # and 100.0 ms per GPU at tp=2, i.e. 71.9 ms replicated + 56.2 ms split; per token and block at
 # the measured 4.145 TB/s that is 140 bytes per hidden unit and 27 bytes per intermediate unit
 # (the training step's three passes gave within 8% of the same). Decode steps are not charged:
-# their compiled, fused step is fitted as a whole (efficiency `decode`).
+# their compiled, fused step is fitted as a whole (efficiency `decode`). Since issue 27 the engine
+# fuses these ops on CUDA; fitted to whole calls of 1B-8B models (PRESET_EFFICIENCY) the term
+# keeps about this size (h200 factor 1.07): it also carries what the FLOP count prices too low
+# (attention below the GEMM rate, the logprob kernels), which whole-call times cannot tell apart.
 ELEMENTWISE_BYTES_PER_HIDDEN = 140.0
 ELEMENTWISE_BYTES_PER_INTERMEDIATE = 27.0
 
@@ -162,19 +199,25 @@ def _geometry(spec: ModelSpec, critic: bool, tp: int, pp: int) -> CallGeometry |
     )
 
 
-def activation_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
+def activation_bytes_per_token_layer(spec: ModelSpec, tp: int, fused: bool = False) -> float:
     """Bytes one block stores per token for backward (no recomputation, no sequence parallelism).
 
-    Whole on every tp rank: each of the two RMSNorms saves its float32 input (it normalises in
-    float32, as HF does), its bf16 normalised value and its output (the projections' input):
-    8 h bytes each. Split by tp (bf16): q, the attention output, K and V as the attention kernel
-    saves them, gate, up, the SiLU output and the product. K and V are counted expanded to the
-    query heads, as the varlen kernel of torch < 2.12 takes them (GQA kernels save less)."""
+    Eager (`fused=False`, the CPU setup), whole on every tp rank: each of the two RMSNorms saves
+    its float32 input (it normalises in float32, as HF does), its bf16 normalised value and its
+    output (the projections' input): 8 h bytes each. Split by tp (bf16): q, the attention
+    output, K and V as the attention kernel saves them, gate, up, the SiLU output and the
+    product. K and V are counted expanded to the query heads, as the varlen kernel of
+    torch < 2.12 takes them (GQA kernels save less). Fused (CUDA: the engine compiles the norms,
+    rotary and SwiGLU gate, `actors.engine.model.set_elementwise_fusion`): a norm keeps its bf16
+    input and output (4 h bytes), the gate its bf16 gate and up, the down projection its input;
+    on an H200 that is 53.1 GiB against 53.9 measured for the 1B training call of 16 x 16384
+    tokens (61.1 GiB counted eager)."""
     h, d = spec.hidden_size, spec.head_dim
     q_dim, kv_dim = spec.n_heads * d, spec.n_kv_heads * d
     kv_split = 1 if kv_replicated(spec, tp) else tp
-    whole_bytes = 2 * 8 * h
-    split = (2 * q_dim + 4 * spec.intermediate_size) / tp + 2 * max(q_dim / tp, kv_dim / kv_split)
+    whole_bytes = 2 * (4 if fused else 8) * h
+    mlp = (3 if fused else 4) * spec.intermediate_size
+    split = (2 * q_dim + mlp) / tp + 2 * max(q_dim / tp, kv_dim / kv_split)
     return whole_bytes + 2.0 * split
 
 
@@ -192,7 +235,7 @@ def inference_bytes_per_token_layer(spec: ModelSpec, tp: int) -> float:
 
 
 def activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_flight: int, train: bool,
-                      with_entropy: bool = False) -> float:
+                      with_entropy: bool = False, fused: bool = False) -> float:
     """Activation memory of the fullest stage: stored activations of `in_flight` micro-batches
     plus the logits and their gradient on the last stage (train), or the larger of one block's
     working set and the head's (inference: the blocks' tensors are freed before the head runs)."""
@@ -200,7 +243,8 @@ def activation_bytes(geo: CallGeometry, layout: Layout, mb_tokens: float, in_fli
     if train:
         logit_bytes = TRAIN_LOGIT_BYTES + (ENTROPY_LOGIT_BYTES if with_entropy and not geo.critic else 0)
         logits = mb_tokens * head_cols * logit_bytes
-        return in_flight * mb_tokens * activation_bytes_per_token_layer(geo.spec, layout.tp) * geo.stage_layers + logits
+        stored = activation_bytes_per_token_layer(geo.spec, layout.tp, fused)
+        return in_flight * mb_tokens * stored * geo.stage_layers + logits
     block = mb_tokens * inference_bytes_per_token_layer(geo.spec, layout.tp)
     # The fused logprob kernels read the bf16 logits in place; the final hidden states and their
     # norm stay alive beside them.
@@ -218,6 +262,7 @@ class Links:
         self.flops = hw.peak_flops * eff.gemm
         self.hbm = hw.hbm_bw * eff.decode
         self.opt_hbm = hw.hbm_bw * eff.optimizer
+        self.elementwise_hbm = hw.hbm_bw * eff.elementwise
         self.tp_bw = hw.intra_node_bw * eff.comm * eff.tp_comm
         self.dp_bw = dp_bandwidth(hw, layout, m) * eff.comm
         self.pp_bw = p2p_bandwidth(hw, mesh.size, m) * eff.comm

@@ -24,6 +24,10 @@ class HardwareSpec:
     inter_node_bw: bytes/s one GPU sends to a GPU of another node (its NIC share).
     collective_latency_s: fixed cost of one collective or p2p message.
     kernel_overhead_s: fixed cost per layer per step (launches, small kernels).
+    fused_elementwise: the engine fuses the blocks' norms, rotary and SwiGLU gate on this GPU
+        (CUDA: torch.compile), which saves fewer activations for backward than eager kernels.
+    generate_setup_s: fixed cost per layer of each generation round before its first decode step
+        (the round's cache and fused QKV weights built, its decode step's CUDA graphs captured).
     host_bw: bytes/s between pinned host memory and one GPU, per direction (PCIe is full duplex:
         both directions at once each get this). Optimizer offload streams through it.
     host_mem_bytes: host RAM per GPU a plan may fill (node RAM / GPUs of the node, before the
@@ -39,6 +43,8 @@ class HardwareSpec:
     inter_node_bw: float
     collective_latency_s: float = 10e-6
     kernel_overhead_s: float = 20e-6
+    generate_setup_s: float = 0.0
+    fused_elementwise: bool = True
     host_bw: float = 25e9
     host_mem_bytes: float = 128 * GiB
 
@@ -47,7 +53,7 @@ class HardwareSpec:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
-        known = {k: v for k, v in data.items() if k in self.__dataclass_fields__ and k != "name"}
+        known = {k: v for k, v in data.items() if k in self.__dataclass_fields__ and k not in ("name", "fused_elementwise")}
         for key, value in known.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"profile {path}: {key}={value!r} must be a positive number")
@@ -71,6 +77,10 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         intra_node_bw=360e9, inter_node_bw=50e9, host_bw=50e9, host_mem_bytes=256 * GiB,
     ),
     # Measured on the lent H200s: bf16 matmul 785 TFLOP/s, HBM copy 4.3 TB/s, NCCL bcast 367 GB/s.
+    # kernel_overhead_s and generate_setup_s: fitted to the generate calls of 0.5B-8B models (a
+    # decode step costs ~65 us per layer beyond its weight, KV and sampling traffic: a dozen small
+    # kernels each with a fixed ramp, even replayed from a CUDA graph; each round ~9 ms per layer
+    # before its first step; 2026-12-03, benchmarks/fit_efficiency.py, docs/benchmarks.md).
     # host_bw: pinned copies 54.7 GB/s up, 55.3 down, 47.5 each way at once (2026-12-02,
     # benchmarks/offload_bench.py; the optimizer streams both ways). host_mem_bytes: the lent one-GPU H200 machine
     # has 128 GiB of RAM; a DGX H200 has 2 TiB for 8 GPUs (256 GiB each). The preset takes the
@@ -78,13 +88,14 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h200-141g": HardwareSpec(
         name="h200-141g", peak_flops=785e12, hbm_bw=4.3e12, mem_bytes=139 * GiB * 0.95,
         intra_node_bw=367e9, inter_node_bw=50e9, host_bw=47.5e9, host_mem_bytes=128 * GiB,
+        kernel_overhead_s=65e-6, generate_setup_s=9e-3,
     ),
     # Virtual GPUs of the CPU test setup: gloo over loopback, a few GFLOP/s per worker; "device"
     # and host memory are the same RAM, so offload is a plain copy.
     "cpu": HardwareSpec(
         name="cpu", peak_flops=20e9, hbm_bw=10e9, mem_bytes=4 * GiB,
         intra_node_bw=1e9, inter_node_bw=1e9, collective_latency_s=200e-6, kernel_overhead_s=50e-6,
-        host_bw=5e9, host_mem_bytes=16 * GiB,
+        host_bw=5e9, host_mem_bytes=16 * GiB, fused_elementwise=False,
     ),
 }
 

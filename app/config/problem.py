@@ -19,7 +19,7 @@ from pathlib import Path
 from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.cost import ModelRole, PlanningProblem
-from planning.cost_terms import OpEfficiency
+from planning.cost_terms import OpEfficiency, preset_efficiency
 from planning.dataflow import (
     OUTCOME_ALGORITHMS,
     BatchShape,
@@ -108,9 +108,10 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
 
 def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
     """The op efficiencies of the measured profile (`plan.profile`, its "efficiency" block, as
-    `python -m app profile` writes it); every factor 1.0 without a profile or without the block."""
+    `python -m app profile` writes it; factors it does not name are 1.0); without a profile,
+    those fitted for the GPU preset (`planning.cost_terms.PRESET_EFFICIENCY`)."""
     if cfg.plan.profile is None:
-        return OpEfficiency()
+        return preset_efficiency(cfg.cluster.gpu)
     try:
         block = json.loads(Path(cfg.plan.profile).read_text()).get("efficiency", {})
         if not isinstance(block, dict):

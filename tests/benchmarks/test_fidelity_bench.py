@@ -8,9 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from app.reporting.timeline import call_estimates
 
 pytestmark = pytest.mark.ray
 
@@ -46,3 +49,27 @@ def test_tiny_mode_runs_and_reports(tmp_path: Path) -> None:
     assert repriced.returncode == 0, repriced.stderr[-3000:]
     rows = [line for line in repriced.stdout.splitlines() if line.startswith("| tiny-")]
     assert [r.split(" | ")[2] for r in rows] == ["0.0% / 0.0% |"] * 2, repriced.stdout
+    check_efficiency_fit(run)
+
+
+def check_efficiency_fit(run: Path) -> None:
+    """benchmarks/fit_efficiency.py on the sweep with measured times replaced by the cost model's
+    own at known factors: the fit prices every call within 5% of them (tiny models leave the
+    factors themselves only partly identifiable: fixed per-kernel costs dominate their calls)."""
+    from benchmarks.fit_efficiency import fit, load_runs, run_errors
+    from planning.cost_terms import OpEfficiency
+
+    truth = OpEfficiency(gemm=0.6, decode=0.4, elementwise=0.8)
+    results = json.loads((run / "fidelity.json").read_text())
+    for result, measured in zip(results, load_runs([run]), strict=True):
+        estimates = call_estimates(replace(measured.problem, efficiency=truth), measured.plan)
+        for row in result["calls"]:
+            row["measured_s"] = estimates[row["call"]].seconds
+    (run / "fidelity.json").write_text(json.dumps(results))
+    runs = load_runs([run])
+    start = runs[0].problem.efficiency
+    assert start == OpEfficiency()  # the cpu preset has no fitted factors
+    before = [abs(e) for r in runs for e in run_errors(r, start).values()]
+    fitted = fit(runs, start, ("gemm", "decode", "elementwise"))
+    after = [abs(e) for r in runs for e in run_errors(r, fitted).values()]
+    assert max(before) > 0.3 and max(after) < 0.05, (before, after, fitted)

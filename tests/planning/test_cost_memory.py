@@ -48,6 +48,11 @@ def test_stored_activations_per_token_and_block_hand_counted() -> None:
     assert activation_bytes_per_token_layer(LLAMA_1B, 1) == norms + split == 114_688
     # Under tp=2 only the split part halves.
     assert activation_bytes_per_token_layer(LLAMA_1B, 2) == norms + split / 2
+    # Fused (CUDA): a norm keeps its bf16 input and output (4 h bytes); the gate saves gate and up,
+    # the down projection its input (3 x 8192).
+    fused_norms, fused_split = 2 * 4 * 2048, 2 * (2 * 2048 + 2 * 2048 + 3 * 8192)
+    assert activation_bytes_per_token_layer(LLAMA_1B, 1, fused=True) == fused_norms + fused_split == 81_920
+    assert activation_bytes_per_token_layer(LLAMA_1B, 2, fused=True) == fused_norms + fused_split / 2
 
 
 def test_inference_working_set_is_one_block_or_the_head_whichever_is_larger() -> None:
@@ -86,7 +91,9 @@ def test_training_logits_and_the_entropy_bonus() -> None:
     problem = _grpo()
     tokens = 8192
     execution = CallExecution(micro_batch_tokens=tokens)
-    stored = tokens * activation_bytes_per_token_layer(LLAMA_1B, 1) * LLAMA_1B.n_layers
+    # The h200 preset's engine fuses the elementwise ops (HardwareSpec.fused_elementwise).
+    assert problem.cluster.hardware.fused_elementwise
+    stored = tokens * activation_bytes_per_token_layer(LLAMA_1B, 1, fused=True) * LLAMA_1B.n_layers
     logits = tokens * LLAMA_1B.vocab_size
     assert _activation(problem, "actor_train", execution) == pytest.approx(stored + logits * TRAIN_LOGIT_BYTES)
     entropy = with_entropy_bonus(problem.graph)
