@@ -47,6 +47,8 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 # PPO and GRPO over 6 shapes, before and after self-calibration, and the issue's "Why" GRPO run
 # (5 iterations). Not in the default set: alone it takes ~8 minutes, e.g. on `nvidia-h200`:
 #   run(command="ONLY=fidelity bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200")
+# Issue 27: FIDELITY_ARGS="--sizes --iterations 2" (0.5B-8B actors, first plans only, ~8 minutes);
+# benchmarks/fit_efficiency.py then fits the preset's factors to the results on any machine.
 [[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
   run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}
 tar czf "$final/results.tgz" -C "$out" . && rm -rf "$out"

@@ -53,11 +53,16 @@ class HardwareSpec:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"profile {path}: expected a JSON object, got {type(data).__name__}")
-        known = {k: v for k, v in data.items() if k in self.__dataclass_fields__ and k not in ("name", "fused_elementwise")}
+        return self.with_profile_fields(data, str(path))
+
+    def with_profile_fields(self, data: dict[str, object], source: str = "profile") -> HardwareSpec:
+        """Copy of this spec with the numeric fields of a profile's JSON object."""
+        known = {k: v for k, v in data.items()
+                 if k in self.__dataclass_fields__ and k not in ("name", "fused_elementwise")}
         for key, value in known.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"profile {path}: {key}={value!r} must be a positive number")
-        return replace(self, **{k: float(v) for k, v in known.items()})
+                raise ValueError(f"profile {source}: {key}={value!r} must be a positive number")
+        return replace(self, **{k: float(v) for k, v in known.items()})  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)

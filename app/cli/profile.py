@@ -1,4 +1,4 @@
-"""`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick] [--inter-node]`.
+"""`python -m app profile --out profile.json [--gpu PRESET] [--ranks 2] [--quick] [--inter-node] [--refit OLD.json]`.
 
 Measures this machine (actors.worker.profiler: matmul FLOP/s, memory copy bandwidth, collectives
 over local processes, an engine train step and decode steps against the cost model; on CUDA also
@@ -14,7 +14,8 @@ CPU; the full run is sized for about a minute on an H200.
 `--inter-node` measures the link between two nodes instead (cluster.link_probe: one process on
 each of the first two GPU nodes of the Ray cluster at RAY_ADDRESS, a broadcast between them)
 and writes `inter_node_bw` into --out, keeping the figures already there: run it after the
-single-node profile to complete it.
+single-node profile to complete it. `--refit OLD.json` measures nothing: it fits the factors of
+an earlier profile again with the current cost model (app.cli.profile_refit).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from app.cli.host_link import measure_host_link
 from app.config import check_out_path
-from planning.cost_terms import OpEfficiency
+from planning.cost_terms import OpEfficiency, preset_efficiency
 from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset
 
 if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
     from actors.worker import ProfileSettings
+    from actors.worker.profiler import CollectiveTiming, EngineTiming
 
 # GPU name fragment -> hardware preset, for the default --gpu.
 PRESET_BY_DEVICE_NAME = (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100", "a100-80g"))
@@ -60,6 +62,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder blocks of that model to keep")
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds on CPU")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--refit", default=None, metavar="OLD.json",
+                        help="no measuring: fit the efficiency factors of profile OLD.json again with the current cost "
+                             "model, from the measurements it stores, and write the result to --out")
     parser.add_argument("--inter-node", action="store_true",
                         help="measure the link between two nodes of the Ray cluster at RAY_ADDRESS (one GPU each) "
                              "and add inter_node_bw to --out")
@@ -112,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.inter_node:
         return run_inter_node(args)
+    if args.refit is not None:
+        return run_refit(args)
 
     cuda = torch.cuda.is_available()
     gpu_count = torch.cuda.device_count() if cuda else 0
@@ -124,6 +131,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"profile ran out of device memory ({' '.join(str(exc).split())[:200]}); "
                          "try --quick or a smaller --model") from None
     print(format_table(profile, preset))
+    write_profile(profile, args.out)
+    print(f"wrote {args.out}; use it with plan.profile={args.out}")
+    return 0
+
+
+def run_refit(args: argparse.Namespace) -> int:
+    """`--refit OLD.json`: the stored measurements fitted again (app.cli.profile_refit)."""
+    from app.cli.profile_refit import read_profile, refit_profile
+
+    old = read_profile(args.refit)
+    profile = refit_profile(old, args.refit)
+    print(format_table(profile, hardware_preset(profile["preset"])))
+    print(f"efficiency before: {old.get('efficiency')}")
     write_profile(profile, args.out)
     print(f"wrote {args.out}; use it with plan.profile={args.out}")
     return 0
@@ -190,43 +210,15 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
     """Run every microbenchmark and return the profile JSON object: the measured HardwareSpec
     fields at top level, "efficiency", "preset" and "measurements" (raw numbers, the cost model's
     seconds at the preset and at the profile beside the measured ones, machine, date)."""
-    from actors.worker import (
-        MIN_EFFICIENCY,
-        fit_efficiency,
-        fit_tp_comm,
-        measure_engine,
-        measure_hardware,
-        predicted_seconds,
-        predicted_tp_fwd_bwd_s,
-    )
+    from actors.worker import measure_engine, measure_hardware
 
     timing = measure_engine(settings)  # first: spawned collective processes leave load behind on CPU
     hardware = measure_hardware(settings, ranks)
     link = measure_host_link(settings.device, settings.quick, settings.warmup, settings.reps)
     host_fields = {} if link is None else {"host_bw": link["host_bw"], "host_mem_bytes": link["host_mem_bytes"]}
     hw = replace(preset, **hardware.fields)
-    efficiency = asdict(fit_efficiency(hw, settings, timing))
     collectives = hardware.collectives
-    if collectives is None:
-        del efficiency["comm"], efficiency["tp_comm"]  # not measured: the loader's defaults (1.0) stay
-    else:
-        # intra_node_bw is the broadcast rate; all-reduces reach this share of it.
-        efficiency["comm"] = min(1.0, max(MIN_EFFICIENCY, collectives.allreduce_bw / collectives.broadcast_bw))
-        if math.isfinite(collectives.tp_fwd_bwd_s):
-            # The tp all-reduces as they perform inside the engine's steps (fitted on the tp run).
-            efficiency["tp_comm"] = fit_tp_comm(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks,
-                                                collectives.tp_fwd_bwd_s)
-        else:
-            del efficiency["tp_comm"]
-    observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
-                "decode_step_s": timing.decode_step_s(settings.decode_steps)}
-    at_preset = predicted_seconds(preset, OpEfficiency(), settings)
-    at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
-    if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
-        tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
-        observed[tp_key] = collectives.tp_fwd_bwd_s
-        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, OpEfficiency(), settings, collectives.ranks)
-        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
+    efficiency = fitted_efficiency(hw, settings, timing, collectives)
     h = settings.model.hidden_size
     measurements = {
         "machine": machine_info(settings, ranks),
@@ -247,11 +239,52 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
         "engine": {**asdict(timing), "train_seqs": settings.train_seqs, "train_seq_len": settings.train_seq_len,
                    "decode_batch": settings.decode_batch, "decode_prompt_len": settings.decode_prompt_len,
                    "decode_steps": list(settings.decode_steps)},
-        "validation": {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
-                       for key in observed},
+        "validation": validation(preset, hw, efficiency, settings, timing, collectives),
     }
     return {**hardware.fields, **host_fields, "efficiency": efficiency, "preset": preset.name,
             "measurements": measurements}
+
+
+def fitted_efficiency(hw: HardwareSpec, settings: ProfileSettings, timing: EngineTiming,
+                      collectives: CollectiveTiming | None) -> dict[str, float]:
+    """The profile's "efficiency" block: gemm, decode and optimizer fitted to the engine's timings
+    through the cost model, comm from the bare collectives, tp_comm from the engine's tp step
+    (comm and tp_comm left out where not measured: the loader's 1.0 stays)."""
+    from actors.worker import MIN_EFFICIENCY, fit_efficiency, fit_tp_comm
+
+    efficiency = asdict(fit_efficiency(hw, settings, timing))
+    del efficiency["elementwise"]  # not profiled apart from gemm: fitted to whole calls (PRESET_EFFICIENCY)
+    if collectives is None:
+        del efficiency["comm"], efficiency["tp_comm"]
+        return efficiency
+    # intra_node_bw is the broadcast rate; all-reduces reach this share of it.
+    efficiency["comm"] = min(1.0, max(MIN_EFFICIENCY, collectives.allreduce_bw / collectives.broadcast_bw))
+    if math.isfinite(collectives.tp_fwd_bwd_s):
+        # The tp all-reduces as they perform inside the engine's steps (fitted on the tp run).
+        efficiency["tp_comm"] = fit_tp_comm(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks,
+                                            collectives.tp_fwd_bwd_s)
+    else:
+        del efficiency["tp_comm"]
+    return efficiency
+
+
+def validation(preset: HardwareSpec, hw: HardwareSpec, efficiency: dict[str, float], settings: ProfileSettings,
+               timing: EngineTiming, collectives: CollectiveTiming | None) -> dict[str, dict[str, float]]:
+    """Per profiled step: measured seconds beside the cost model's at the preset (with its fitted
+    efficiencies, `preset_efficiency`) and at the profile."""
+    from actors.worker import predicted_seconds, predicted_tp_fwd_bwd_s
+
+    observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
+                "decode_step_s": timing.decode_step_s(settings.decode_steps)}
+    at_preset = predicted_seconds(preset, preset_efficiency(preset.name), settings)
+    at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
+    if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
+        tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
+        observed[tp_key] = collectives.tp_fwd_bwd_s
+        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, preset_efficiency(preset.name), settings, collectives.ranks)
+        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
+    return {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
+            for key in observed}
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:
@@ -286,5 +319,5 @@ def format_table(profile: dict[str, Any], preset: HardwareSpec) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["add_parser", "build_profile", "default_preset", "format_table", "machine_info", "resolve_arguments", "run",
-           "write_profile"]
+__all__ = ["add_parser", "build_profile", "default_preset", "fitted_efficiency", "format_table", "machine_info",
+           "resolve_arguments", "run", "validation", "write_profile"]
