@@ -16,7 +16,7 @@ per run, the median / max of |estimate / measured - 1| with:
 - held out: each run priced with factors fitted to the OTHER runs only (the fit's honest error;
   the preset's with a single run).
 
-The fitted factors are printed last, as the dict `planning.hardware.PRESET_EFFICIENCY` takes.
+The fitted factors are printed last, as `planning.cost_terms.PRESET_EFFICIENCY` takes them.
 Nothing is written.
 """
 

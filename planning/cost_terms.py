@@ -88,8 +88,9 @@ class OpEfficiency:
 # listed takes 1.0: its peaks already fold typical efficiencies in.
 # h200-141g: relative to its measured ceilings (785 TFLOP/s, 4.3 TB/s); fitted to 42 calls of 8
 # runs (1B sweep, a 3B and an 8B actor, 2026-12-03): estimates within 3.9% at the median, 11.6% at
-# worst (13.0% with each run left out of its own fit). gemm > 1: the largest GEMMs beat the
-# square matmul the ceiling was measured with, and the counts leave out no FLOPs they overlap.
+# worst (13.0% with each run left out of its own fit). gemm > 1 says the FLOP count at 785 TFLOP/s
+# prices the passes a little slow; gemm and elementwise both scale with tokens, so whole-call
+# times pin down their sum better than either (docs/benchmarks.md, issue 27, third step).
 PRESET_EFFICIENCY: dict[str, OpEfficiency] = {
     "h200-141g": OpEfficiency(gemm=1.12, decode=1.06, elementwise=1.07),
 }

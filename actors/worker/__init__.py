@@ -36,6 +36,8 @@ from actors.worker.ops import CALL_OPS, CONCURRENCY_GROUPS, MODEL_FREE_GROUP, MO
 from actors.worker.profile_fit import fit_efficiency, fit_tp_comm, predicted_seconds, predicted_tp_fwd_bwd_s
 from actors.worker.profiler import (
     MIN_EFFICIENCY,
+    CollectiveTiming,
+    EngineTiming,
     ProfileSettings,
     cut_model,
     measure_engine,
@@ -56,7 +58,8 @@ __all__ = [
     # ops.py
     "CALL_OPS", "CONCURRENCY_GROUPS", "MODEL_FREE_GROUP", "MODEL_FREE_OPS",
     # profiler.py
-    "MIN_EFFICIENCY", "ProfileSettings", "cut_model", "measure_engine", "measure_hardware",
+    "MIN_EFFICIENCY", "CollectiveTiming", "EngineTiming", "ProfileSettings", "cut_model", "measure_engine",
+    "measure_hardware",
     # profile_fit.py
     "fit_efficiency", "fit_tp_comm", "predicted_seconds", "predicted_tp_fwd_bwd_s",
 ]

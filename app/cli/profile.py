@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.cli.host_link import measure_host_link
+from app.cli.profile_refit import fitted_efficiency, read_profile, refit_profile, validation
 from app.config import check_out_path
-from planning.cost_terms import OpEfficiency, preset_efficiency
 from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from planning.models import MODEL_PRESETS, ModelSpec, model_preset
 
 if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
     from actors.worker import ProfileSettings
-    from actors.worker.profiler import CollectiveTiming, EngineTiming
 
 # GPU name fragment -> hardware preset, for the default --gpu.
 PRESET_BY_DEVICE_NAME = (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100", "a100-80g"))
@@ -138,8 +137,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_refit(args: argparse.Namespace) -> int:
     """`--refit OLD.json`: the stored measurements fitted again (app.cli.profile_refit)."""
-    from app.cli.profile_refit import read_profile, refit_profile
-
     old = read_profile(args.refit)
     profile = refit_profile(old, args.refit)
     print(format_table(profile, hardware_preset(profile["preset"])))
@@ -245,48 +242,6 @@ def build_profile(settings: ProfileSettings, preset: HardwareSpec, ranks: int) -
             "measurements": measurements}
 
 
-def fitted_efficiency(hw: HardwareSpec, settings: ProfileSettings, timing: EngineTiming,
-                      collectives: CollectiveTiming | None) -> dict[str, float]:
-    """The profile's "efficiency" block: gemm, decode and optimizer fitted to the engine's timings
-    through the cost model, comm from the bare collectives, tp_comm from the engine's tp step
-    (comm and tp_comm left out where not measured: the loader's 1.0 stays)."""
-    from actors.worker import MIN_EFFICIENCY, fit_efficiency, fit_tp_comm
-
-    efficiency = asdict(fit_efficiency(hw, settings, timing))
-    del efficiency["elementwise"]  # not profiled apart from gemm: fitted to whole calls (PRESET_EFFICIENCY)
-    if collectives is None:
-        del efficiency["comm"], efficiency["tp_comm"]
-        return efficiency
-    # intra_node_bw is the broadcast rate; all-reduces reach this share of it.
-    efficiency["comm"] = min(1.0, max(MIN_EFFICIENCY, collectives.allreduce_bw / collectives.broadcast_bw))
-    if math.isfinite(collectives.tp_fwd_bwd_s):
-        # The tp all-reduces as they perform inside the engine's steps (fitted on the tp run).
-        efficiency["tp_comm"] = fit_tp_comm(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks,
-                                            collectives.tp_fwd_bwd_s)
-    else:
-        del efficiency["tp_comm"]
-    return efficiency
-
-
-def validation(preset: HardwareSpec, hw: HardwareSpec, efficiency: dict[str, float], settings: ProfileSettings,
-               timing: EngineTiming, collectives: CollectiveTiming | None) -> dict[str, dict[str, float]]:
-    """Per profiled step: measured seconds beside the cost model's at the preset (with its fitted
-    efficiencies, `preset_efficiency`) and at the profile."""
-    from actors.worker import predicted_seconds, predicted_tp_fwd_bwd_s
-
-    observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
-                "decode_step_s": timing.decode_step_s(settings.decode_steps)}
-    at_preset = predicted_seconds(preset, preset_efficiency(preset.name), settings)
-    at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
-    if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
-        tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
-        observed[tp_key] = collectives.tp_fwd_bwd_s
-        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, preset_efficiency(preset.name), settings, collectives.ranks)
-        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
-    return {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
-            for key in observed}
-
-
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:
     """Write the profile JSON (indented, so a person can read and diff it)."""
     Path(path).write_text(json.dumps(profile, indent=2) + "\n")
@@ -319,5 +274,5 @@ def format_table(profile: dict[str, Any], preset: HardwareSpec) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["add_parser", "build_profile", "default_preset", "fitted_efficiency", "format_table", "machine_info",
-           "resolve_arguments", "run", "validation", "write_profile"]
+__all__ = ["add_parser", "build_profile", "default_preset", "format_table", "machine_info", "resolve_arguments", "run",
+           "write_profile"]

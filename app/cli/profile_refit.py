@@ -1,5 +1,6 @@
-"""`python -m app profile --refit OLD.json --out NEW.json`: a profile's efficiency factors fitted
-again, with the current cost model, to the measurements the profile stores. No device needed.
+"""A profile's efficiency factors fitted to its timings: when `python -m app profile` measures
+(`fitted_efficiency`, `validation`) and again, with the current cost model, from the timings a
+profile stores (`python -m app profile --refit OLD.json --out NEW.json`: no device needed).
 
 A profile's factors are what makes the cost model of its day reproduce the measured steps, so
 when the model's terms change (issue 27 counted the optimizer step's bytes as the engine moves
@@ -16,14 +17,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.cli.profile import fitted_efficiency, validation
-from planning.hardware import hardware_preset
+from planning.cost_terms import OpEfficiency, preset_efficiency
+from planning.hardware import HardwareSpec, hardware_preset
 from planning.models import model_preset
+
+if TYPE_CHECKING:  # torch-importing modules stay out of `python -m app plan`'s start-up
+    from actors.worker import CollectiveTiming, EngineTiming, ProfileSettings
 
 CUT_MODEL_NAME = re.compile(r"^(?P<preset>.+)-(?P<layers>\d+)l$")
 
@@ -31,8 +35,7 @@ CUT_MODEL_NAME = re.compile(r"^(?P<preset>.+)-(?P<layers>\d+)l$")
 def refit_profile(profile: dict[str, Any], source: str) -> dict[str, Any]:
     """The profile with "efficiency" and "measurements.validation" refitted; raises ValueError
     naming the field when the stored measurements cannot be read back."""
-    from actors.worker import ProfileSettings, cut_model
-    from actors.worker.profiler import CollectiveTiming, EngineTiming
+    from actors.worker import CollectiveTiming, EngineTiming, ProfileSettings, cut_model
 
     measured = _field(profile, "measurements", dict, source)
     engine = _field(measured, "engine", dict, source, "measurements.")
@@ -60,6 +63,48 @@ def refit_profile(profile: dict[str, Any], source: str) -> dict[str, Any]:
     return {**profile, "efficiency": efficiency,
             "measurements": {**measured, "validation": validation(preset, hw, efficiency, settings, timing, collectives),
                              "refit": note}}
+
+
+def fitted_efficiency(hw: HardwareSpec, settings: ProfileSettings, timing: EngineTiming,
+                      collectives: CollectiveTiming | None) -> dict[str, float]:
+    """The profile's "efficiency" block: gemm, decode and optimizer fitted to the engine's timings
+    through the cost model, comm from the bare collectives, tp_comm from the engine's tp step
+    (comm and tp_comm left out where not measured: the loader's 1.0 stays)."""
+    from actors.worker import MIN_EFFICIENCY, fit_efficiency, fit_tp_comm
+
+    efficiency = asdict(fit_efficiency(hw, settings, timing))
+    del efficiency["elementwise"]  # not profiled apart from gemm: fitted to whole calls (PRESET_EFFICIENCY)
+    if collectives is None:
+        del efficiency["comm"], efficiency["tp_comm"]
+        return efficiency
+    # intra_node_bw is the broadcast rate; all-reduces reach this share of it.
+    efficiency["comm"] = min(1.0, max(MIN_EFFICIENCY, collectives.allreduce_bw / collectives.broadcast_bw))
+    if math.isfinite(collectives.tp_fwd_bwd_s):
+        # The tp all-reduces as they perform inside the engine's steps (fitted on the tp run).
+        efficiency["tp_comm"] = fit_tp_comm(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks,
+                                            collectives.tp_fwd_bwd_s)
+    else:
+        del efficiency["tp_comm"]
+    return efficiency
+
+
+def validation(preset: HardwareSpec, hw: HardwareSpec, efficiency: dict[str, float], settings: ProfileSettings,
+               timing: EngineTiming, collectives: CollectiveTiming | None) -> dict[str, dict[str, float]]:
+    """Per profiled step: measured seconds beside the cost model's at the preset (with its fitted
+    efficiencies, `preset_efficiency`) and at the profile."""
+    from actors.worker import predicted_seconds, predicted_tp_fwd_bwd_s
+
+    observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
+                "decode_step_s": timing.decode_step_s(settings.decode_steps)}
+    at_preset = predicted_seconds(preset, preset_efficiency(preset.name), settings)
+    at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
+    if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
+        tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
+        observed[tp_key] = collectives.tp_fwd_bwd_s
+        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, preset_efficiency(preset.name), settings, collectives.ranks)
+        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
+    return {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
+            for key in observed}
 
 
 def read_profile(path: str) -> dict[str, Any]:
@@ -93,4 +138,4 @@ def _field(data: dict[str, Any], key: str, kind: type, source: str, prefix: str 
     return value
 
 
-__all__ = ["read_profile", "refit_profile"]
+__all__ = ["fitted_efficiency", "read_profile", "refit_profile", "validation"]
