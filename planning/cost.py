@@ -45,7 +45,6 @@ from dataclasses import dataclass, field, replace
 
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
-    GEMM_RAMP_TOKENS,
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
     OPTIMIZER_TRAFFIC_PER_PARAM,
     SAMPLING_BYTES_PER_LOGIT,
@@ -294,8 +293,9 @@ def _pass_time(
     # Roofline per micro-batch and pass: the matmuls cannot beat streaming the stage's bf16
     # weights from HBM once, so short micro-batches are memory-bound, not free.
     # Each micro-batch's GEMMs also pay a ramp and a partly filled last wave, about as long as
-    # GEMM_RAMP_TOKENS more tokens (an 8B model's 1024-token micro-batches run ~2/3 as fast).
-    matmul_s = (mb_tokens + GEMM_RAMP_TOKENS) * geo.stage_flops_per_token(ctx) / links.flops
+    # `gemm_ramp_tokens` more tokens (on an H200, 512: an 8B model's 1024-token micro-batches run
+    # ~2/3 as fast as long ones).
+    matmul_s = (mb_tokens + links.hw.gemm_ramp_tokens) * geo.stage_flops_per_token(ctx) / links.flops
     compute = passes * n_micro * max(matmul_s, 2.0 * geo.stage_params / links.hbm)
     # Norms, residuals, rotary, activations: memory-bound, and mostly not split by tp.
     elementwise = passes * tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.elementwise_hbm

@@ -33,8 +33,6 @@ MAX_EFFICIENCY = 4.0
 # a 1B model's training call costs ~35 ms more per extra optimizer step; 126 x 1.24B / 4.3 TB/s
 # is 36 ms.
 OPTIMIZER_TRAFFIC_PER_PARAM = 126
-# Tokens' worth of FLOPs a pass over one micro-batch pays on top of its own (`_pass_time`).
-GEMM_RAMP_TOKENS = 512
 # And per micro-batch of a train call: backward writes each parameter's bf16 gradient (2 bytes),
 # which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
 GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
@@ -86,7 +84,7 @@ class OpEfficiency:
 # runs (benchmarks/fit_efficiency.py; docs/benchmarks.md, issue 27): what a plan assumes before a
 # run's own calibration (planning.calibrate) or a measured profile replaces them. A preset not
 # listed takes 1.0: its peaks already fold typical efficiencies in.
-# h200-141g: relative to its measured ceilings (785 TFLOP/s, 4.3 TB/s); fitted to 42 calls of 8
+# h200-141g: relative to its measured ceilings (785 TFLOP/s, 4.3 TB/s); fitted to 41 calls of 8
 # runs (1B sweep, a 3B and an 8B actor, 2026-12-03): estimates within 3.9% at the median, 11.6% at
 # worst (13.0% with each run left out of its own fit). gemm > 1 says the FLOP count at 785 TFLOP/s
 # prices the passes a little slow; gemm and elementwise both scale with tokens, so whole-call

@@ -24,6 +24,8 @@ class HardwareSpec:
     inter_node_bw: bytes/s one GPU sends to a GPU of another node (its NIC share).
     collective_latency_s: fixed cost of one collective or p2p message.
     kernel_overhead_s: fixed cost per layer per step (launches, small kernels).
+    gemm_ramp_tokens: tokens' worth of FLOPs each micro-batch's pass pays on top of its own (each
+        GEMM's ramp and partly filled last wave; 0 where matmuls have no waves to fill, the CPU).
     fused_elementwise: the engine fuses the blocks' norms, rotary and SwiGLU gate on this GPU
         (CUDA: torch.compile), which saves fewer activations for backward than eager kernels.
     generate_setup_s: fixed cost per layer of each generation round before its first decode step
@@ -44,6 +46,7 @@ class HardwareSpec:
     collective_latency_s: float = 10e-6
     kernel_overhead_s: float = 20e-6
     generate_setup_s: float = 0.0
+    gemm_ramp_tokens: float = 512.0
     fused_elementwise: bool = True
     host_bw: float = 25e9
     host_mem_bytes: float = 128 * GiB
@@ -85,7 +88,9 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # kernel_overhead_s and generate_setup_s: fitted to the generate calls of 0.5B-8B models (a
     # decode step costs ~65 us per layer beyond its weight, KV and sampling traffic: a dozen small
     # kernels each with a fixed ramp, even replayed from a CUDA graph; each round ~9 ms per layer
-    # before its first step; 2026-12-03, benchmarks/fit_efficiency.py, docs/benchmarks.md).
+    # before its first step; 2026-12-03, benchmarks/fit_efficiency.py, docs/benchmarks.md). The
+    # default gemm_ramp_tokens (512) comes from the same runs' training calls (an 8B model's
+    # 1024-token micro-batches).
     # host_bw: pinned copies 54.7 GB/s up, 55.3 down, 47.5 each way at once (2026-12-02,
     # benchmarks/offload_bench.py; the optimizer streams both ways). host_mem_bytes: the lent one-GPU H200 machine
     # has 128 GiB of RAM; a DGX H200 has 2 TiB for 8 GPUs (256 GiB each). The preset takes the
@@ -100,7 +105,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "cpu": HardwareSpec(
         name="cpu", peak_flops=20e9, hbm_bw=10e9, mem_bytes=4 * GiB,
         intra_node_bw=1e9, inter_node_bw=1e9, collective_latency_s=200e-6, kernel_overhead_s=50e-6,
-        host_bw=5e9, host_mem_bytes=16 * GiB, fused_elementwise=False,
+        host_bw=5e9, host_mem_bytes=16 * GiB, gemm_ramp_tokens=0.0, fused_elementwise=False,
     ),
 }
 

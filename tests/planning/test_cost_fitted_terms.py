@@ -14,7 +14,6 @@ import pytest
 from app.config import build_problem, load_config
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
 from planning.cost_terms import (
-    GEMM_RAMP_TOKENS,
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
     OPTIMIZER_TRAFFIC_PER_PARAM,
     PRESET_EFFICIENCY,
@@ -68,10 +67,16 @@ def test_gradient_accumulation_is_paid_per_micro_batch() -> None:
 def test_short_micro_batches_pay_the_gemm_ramp() -> None:
     # Same tokens in 4x the micro-batches: the matmul time grows by the ramp of the extra ones.
     problem = _problem()
+    ramp = problem.cluster.hardware.gemm_ramp_tokens
+    assert ramp == 512
     coarse, fine = _train(problem, 16384), _train(problem, 4096)
     n = coarse["micro_batches"]
-    expected = (4 * n * (4096 + GEMM_RAMP_TOKENS)) / (n * (16384 + GEMM_RAMP_TOKENS))
+    expected = (4 * n * (4096 + ramp)) / (n * (16384 + ramp))
     assert fine["compute_s"] / coarse["compute_s"] == pytest.approx(expected, rel=0.02)
+    # Without a ramp (the CPU setup's: its matmuls have no waves to fill) micro-batching is free.
+    assert hardware_preset("cpu").gemm_ramp_tokens == 0
+    flat = replace(problem, cluster=ClusterSpec(1, 1, replace(problem.cluster.hardware, gemm_ramp_tokens=0.0)))
+    assert _train(flat, 4096)["compute_s"] == pytest.approx(_train(flat, 16384)["compute_s"], rel=1e-6)
 
 
 def test_every_generation_round_pays_its_setup() -> None:
