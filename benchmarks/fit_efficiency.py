@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.config import build_problem, load_config  # noqa: E402
 from app.reporting.timeline import call_estimates  # noqa: E402
 from benchmarks.reprice_fidelity import results_dir, run_plan  # noqa: E402
-from planning.calibrate import MIN_FACTOR, golden_min  # noqa: E402
+from planning.calibrate import fit_factors  # noqa: E402
 from planning.cost import PlanningProblem  # noqa: E402
-from planning.cost_terms import MAX_EFFICIENCY, OpEfficiency  # noqa: E402
+from planning.cost_terms import OpEfficiency  # noqa: E402
 from planning.plan import ExecutionPlan  # noqa: E402
 
 DEFAULT_FACTORS = ("gemm", "decode", "elementwise")
@@ -86,18 +86,10 @@ def run_errors(run: MeasuredRun, efficiency: OpEfficiency | None) -> dict[str, f
 def fit(runs: list[MeasuredRun], start: OpEfficiency, factors: tuple[str, ...], sweeps: int = 3) -> OpEfficiency:
     """The factors minimising the sum over every call of log(estimate / measured)^2, one factor at
     a time by golden-section search (the others, and factors not named, stay)."""
-    values = {f.name: float(getattr(start, f.name)) for f in fields(OpEfficiency)}
-
-    def misfit(candidate: dict[str, float]) -> float:
-        efficiency = OpEfficiency(**candidate)
+    def misfit(efficiency: OpEfficiency) -> float:
         return sum(math.log1p(e) ** 2 for run in runs for e in run_errors(run, efficiency).values())
 
-    for _ in range(sweeps):
-        for name in factors:
-            best = golden_min(lambda log_e, n=name: misfit({**values, n: math.exp(log_e)}),
-                              math.log(MIN_FACTOR), math.log(MAX_EFFICIENCY), iterations=30)
-            values[name] = min(max(math.exp(best), MIN_FACTOR), MAX_EFFICIENCY)
-    return OpEfficiency(**values)
+    return fit_factors(misfit, start, factors, sweeps, iterations=30)
 
 
 def summary(errors: list[float]) -> str:

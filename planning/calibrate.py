@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from planning.cost import PlanningProblem, call_cost_levels
@@ -98,20 +98,15 @@ def calibrate(problem: PlanningProblem, plan: ExecutionPlan, measured: dict[str,
     before = problem
     problem = with_measured_rollout(problem, measured, max_turns)
     seconds = {name: m.seconds for name, m in measured.items()}
-    values_start = {f.name: float(getattr(problem.efficiency, f.name)) for f in fields(OpEfficiency)}
-    values = dict(values_start)
+    start = problem.efficiency
 
-    def objective(candidate: dict[str, float]) -> float:
-        estimates = _call_seconds(replace(problem, efficiency=OpEfficiency(**candidate)), plan, seconds)
+    def objective(candidate: OpEfficiency) -> float:
+        estimates = _call_seconds(replace(problem, efficiency=candidate), plan, seconds)
         misfit = sum((math.log(estimates[n] / seconds[n])) ** 2 for n in seconds)
-        return misfit + pull * sum(math.log(candidate[k] / values_start[k]) ** 2 for k in candidate)
+        return misfit + pull * sum(math.log(getattr(candidate, f.name) / getattr(start, f.name)) ** 2
+                                   for f in fields(OpEfficiency))
 
-    for _ in range(sweeps):
-        for name in values:
-            best = golden_min(lambda log_e, n=name: objective({**values, n: math.exp(log_e)}),
-                               math.log(MIN_FACTOR), math.log(MAX_EFFICIENCY))
-            values[name] = min(max(math.exp(best), MIN_FACTOR), MAX_EFFICIENCY)
-    efficiency = OpEfficiency(**values)
+    efficiency = fit_factors(objective, start, [f.name for f in fields(OpEfficiency)], sweeps)
     peaks = {name: m.peak_bytes for name, m in measured.items() if m.peak_bytes is not None}
     scale = _memory_scale(problem, plan, peaks) if peaks else problem.memory_scale
     after = replace(problem, efficiency=efficiency, memory_scale=scale)
@@ -193,7 +188,20 @@ def _memory_scale(problem: PlanningProblem, plan: ExecutionPlan, peaks: dict[str
     return min(max(num / den, MEMORY_SCALE_RANGE[0]), MEMORY_SCALE_RANGE[1])
 
 
-def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 40) -> float:
+def fit_factors(objective: Callable[[OpEfficiency], float], start: OpEfficiency, names: Sequence[str],
+                sweeps: int = 4, iterations: int = 40) -> OpEfficiency:
+    """The factors `names` of `start` that minimise `objective`, one at a time by golden-section
+    search on log e in [MIN_FACTOR, MAX_EFFICIENCY], for `sweeps` rounds (the others stay)."""
+    values = {f.name: float(getattr(start, f.name)) for f in fields(OpEfficiency)}
+    for _ in range(sweeps):
+        for name in names:
+            best = _golden_min(lambda log_e, n=name: objective(OpEfficiency(**{**values, n: math.exp(log_e)})),
+                               math.log(MIN_FACTOR), math.log(MAX_EFFICIENCY), iterations)
+            values[name] = min(max(math.exp(best), MIN_FACTOR), MAX_EFFICIENCY)
+    return OpEfficiency(**values)
+
+
+def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 40) -> float:
     """argmin of a unimodal-ish f on [lo, hi] by golden-section search (returns x, not f(x))."""
     a, b = lo, hi
     c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
@@ -211,4 +219,4 @@ def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: in
 
 
 __all__ = ["MEMORY_SCALE_RANGE", "MIN_FACTOR", "Calibration", "CallMeasurement", "calibrate", "calibrated_problem",
-           "golden_min", "with_measured_rollout"]
+           "fit_factors", "with_measured_rollout"]

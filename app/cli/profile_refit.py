@@ -94,15 +94,16 @@ def validation(preset: HardwareSpec, hw: HardwareSpec, efficiency: dict[str, flo
     efficiencies, `preset_efficiency`) and at the profile."""
     from actors.worker import predicted_seconds, predicted_tp_fwd_bwd_s
 
+    preset_eff, profile_eff = preset_efficiency(preset.name), OpEfficiency.from_dict(efficiency)
     observed = {"fwd_bwd_s": timing.fwd_bwd_s, "optimizer_s": timing.optimizer_s,
                 "decode_step_s": timing.decode_step_s(settings.decode_steps)}
-    at_preset = predicted_seconds(preset, preset_efficiency(preset.name), settings)
-    at_profile = predicted_seconds(hw, OpEfficiency.from_dict(efficiency), settings)
+    at_preset = predicted_seconds(preset, preset_eff, settings)
+    at_profile = predicted_seconds(hw, profile_eff, settings)
     if collectives is not None and math.isfinite(collectives.tp_fwd_bwd_s):
         tp_key = f"tp{collectives.ranks}_fwd_bwd_s"
         observed[tp_key] = collectives.tp_fwd_bwd_s
-        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, preset_efficiency(preset.name), settings, collectives.ranks)
-        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, OpEfficiency.from_dict(efficiency), settings, collectives.ranks)
+        at_preset[tp_key] = predicted_tp_fwd_bwd_s(preset, preset_eff, settings, collectives.ranks)
+        at_profile[tp_key] = predicted_tp_fwd_bwd_s(hw, profile_eff, settings, collectives.ranks)
     return {key: {"measured_s": observed[key], "preset_s": at_preset[key], "profile_s": at_profile[key]}
             for key in observed}
 
