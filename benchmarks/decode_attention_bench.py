@@ -10,10 +10,10 @@ runs splits 1, 2, 4, 8, 16 and auto (splits=None: `decode_splits` of the shape a
 multiprocessor count), checks each output against the torch reference, and times one call: a
 warm-up call first (autotuning happens there), then `--reps` calls captured in one CUDA graph
 and replayed (decode runs as graph replays; eager launch gaps would swamp short kernels), timed
-with CUDA events. Autotuning keys on (group, head_dim) only, so each kernel keeps the config tuned
-at its first call (the first case of that head_dim, splits 1 / splits 2): the order of the cases
-moves the numbers of the later ones, as it would in a run that starts with another shape. Small caches are rotated among several copies so the L2 (60 MB on an
-H200) cannot serve them. GB/s counts the K/V bytes read, 2 * n_seqs * n_kv * length * head_dim *
+with CUDA events. Autotuning keys on (group, head_dim, slots class: the bit length of the slots one
+program reads), so every split count of a case is tuned for its own chunk length (until
+2026-12-03 the key left the class out, and each kernel kept the config of its first call). Small
+caches are rotated among several copies so the L2 (60 MB on an H200) cannot serve them. GB/s counts the K/V bytes read, 2 * n_seqs * n_kv * length * head_dim *
 itemsize, over the time per call; "of peak" divides that by --bandwidth (4.3e12 B/s measured on an
 H200). --cpu --tiny: tiny float32 cases, blocks of 16 slots, one timed call each.
 """

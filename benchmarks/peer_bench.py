@@ -126,6 +126,8 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
     result.step_s = [r["timing_s/iteration"] for r in timed]
     result.tokens = [round(r["rollout/response_length_mean"] * work.sequences) for r in timed]
     result.calls = {name: sum(r.get(f"timing_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
+    phase_keys = sorted({k for r in timed for k in r if k.startswith("gen/") and k.endswith("_s")})
+    result.phases = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in phase_keys}
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
                        f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
                        f"sampling.compile={cfg.sampling.compile}")
@@ -155,6 +157,9 @@ def table(results: list[SideResult], work: Work, model: str) -> str:
             other = r.seconds_per_step - sum(r.calls.values())
             parts = [f"{name} {seconds:.2f}" for name, seconds in r.calls.items()] + [f"other {other:.2f}"]
             lines.append(f"{r.name} calls (s, mean of the timed steps): " + " | ".join(parts))
+        if r.phases:
+            lines.append(f"{r.name} generation phases (s): "
+                         + " | ".join(f"{k.removeprefix('gen/')} {v:.3f}" for k, v in r.phases.items()))
     lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
     return "\n".join(lines)
 

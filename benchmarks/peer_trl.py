@@ -34,12 +34,14 @@ class TrlSettings:
 @dataclass
 class SideResult:
     """One system's measurement: seconds and completion tokens of each timed step (warm-up
-    excluded), per-call seconds where known, the settings in words, or the error that stopped it."""
+    excluded), per-call seconds where known (and the phases of a call), the settings in words, or
+    the error that stopped it."""
 
     name: str
     step_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     calls: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # e.g. gen/decode_s, mean of the timed steps
     settings: str = ""
     error: str | None = None
 

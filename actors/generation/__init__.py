@@ -12,7 +12,7 @@ May import actors.engine and actors.kernels. In dependency order:
 
 from __future__ import annotations
 
-from actors.generation.decoding import GenerationConfig
+from actors.generation.decoding import GenerationConfig, GenerationOutput
 from actors.generation.loop import generate
 from actors.generation.multiturn import TurnsOutput, generate_turns
 from actors.generation.sampling import SamplingParams
@@ -22,7 +22,7 @@ __all__ = [
     # sampling.py
     "SamplingParams",
     # decoding.py
-    "GenerationConfig",
+    "GenerationConfig", "GenerationOutput",
     # loop.py
     "generate",
     # turns.py

@@ -94,6 +94,7 @@ class GenerationOutput:
     kept_counts: int32 [R] size of the top-k/top-p set each token was sampled from, for
     `actors.generation.sampling.truncate_logits` on the train side; None when sampling did not truncate.
     no_eos: bool [B], True where the sequence hit max_new_tokens without emitting EOS.
+    stats: seconds of the call's phases (actors.generation.loop.PhaseClock; empty where not timed).
     """
 
     tokens: Tensor
@@ -104,6 +105,7 @@ class GenerationOutput:
     kept_counts: Tensor | None
     no_eos: Tensor
     sampling: SamplingParams
+    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def n_seqs(self) -> int:

@@ -11,9 +11,12 @@ token tensors of different lengths. The call:
 2. prefills all prompts packed (varlen attention), writing K/V into the cache;
 3. decodes one token per sequence per step until every sequence has emitted EOS or
    max_new_tokens tokens. Finished sequences keep a fixed slot in the (static-shape) step, but
-   their tokens are ignored; the loop ends when all are done;
+   their tokens are ignored; the loop ends when all are done. The host reads that flag after it
+   has queued the next step (`FinishedFlag`), so the device never idles for the check; the
+   step queued after the last token is discarded;
 4. frees the cache and returns a frozen `GenerationOutput` (packed prompt+response ids,
-   logprobs and top-k/top-p kept counts per response token, response lengths, no-EOS mask).
+   logprobs and top-k/top-p kept counts per response token, response lengths, no-EOS mask, and
+   the seconds of its phases, `PhaseClock`).
 
 On CUDA with `use_cuda_graph` the decode step (the model forward over the cache) is captured as a
 CUDA graph within the call; sampling (a fused kernel for greedy and untruncated sampling, see
@@ -28,6 +31,10 @@ The cache is `actors.generation.kv_cache.HeadMajorKVCache` (head-major K/V, GQA 
 """
 
 from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -53,26 +60,109 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
 
     groups: this rank's process groups (tp ranks of one pipeline call it with the same prompts);
     None runs serially. With groups.layout.pp > 1, `model` is this rank's pipeline stage.
+    The output's `stats` hold the call's phases in seconds (`PhaseClock`) and "decode_steps".
     """
     if groups is not None and groups.layout.pp > 1:
         return generate_pipelined(model, prompts, config, groups)
     tp_group = groups.tp_group if groups is not None else None
     device = next(model.parameters()).device
+    clock = PhaseClock(device)
     prompt_tokens, batch, cache = prepare_cache(model, prompts, config, device)
     recorder = ResponseRecorder(len(prompts), config, device)
     logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
+    clock.mark("prefill")
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+    finished = FinishedFlag(device) if config.stop_token is not None else None
+    steps = 0
     for step in range(config.max_new_tokens):
         uniforms = config.step_uniforms(step, len(prompts), device)
         sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
         next_tokens = recorder.record(None, step, sampled)
-        # The finished check syncs with the device; without a stop token nothing can finish early.
-        if step + 1 == config.max_new_tokens or (config.stop_token is not None and recorder.all_finished()):
+        if step + 1 == config.max_new_tokens:
             break
+        if finished is not None:
+            finished.snapshot(recorder.finished)  # asynchronous: read after the next step is queued
+        if step == 0 and device.type == "cuda":
+            torch.cuda.synchronize(device)  # so that capture_s leaves out the prefill still running
+        started = time.perf_counter()
         logits = decode(next_tokens, attend_length(batch.max_seqlen, step, config, cache.max_len))
+        steps += 1
+        if step == 0:  # compile on first use, warm-up runs and graph capture
+            clock.totals["capture_s"] += time.perf_counter() - started
+        # The device runs the step just queued while the host waits for the flag; when every
+        # sequence has finished, that one step's logits go unused.
+        if finished is not None and clock.timed_wait(finished.all_set):
+            break
+    clock.mark("decode")
     del decode, cache  # the cache (and a captured graph's pool) is freed with the call
-    return recorder.output(prompts, prompt_tokens)
+    out = recorder.output(prompts, prompt_tokens)
+    return dataclasses.replace(out, stats={**clock.seconds(), "decode_steps": float(steps)})
 
 
-__all__ = ["generate"]
+class FinishedFlag:
+    """Whether every sequence has finished, copied to the host without stopping the device: the
+    copy goes into page-locked memory behind the step that set it, and `all_set` waits for that
+    copy alone (work queued after it keeps running)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.bool, pin_memory=self.cuda)
+        self.copied = torch.cuda.Event() if self.cuda else None
+        self.flag: Tensor | None = None
+
+    def snapshot(self, finished: Tensor) -> None:
+        """finished: bool [B] on the device."""
+        self.flag = finished.all().reshape(1)
+        if self.copied is not None:
+            self.host.copy_(self.flag, non_blocking=True)
+            self.copied.record()
+
+    def all_set(self) -> bool:
+        if self.copied is None:
+            return bool(self.flag)
+        self.copied.synchronize()
+        return bool(self.host[0])
+
+
+class PhaseClock:
+    """Seconds of a generation call's phases: "prefill_s" (cache allocation and the packed
+    prefill) and "decode_s" (the decode loop, sampling and graph capture included) as device time
+    between CUDA events (host time on CPU, where every op is synchronous), "capture_s" (host
+    seconds of the first decode step: compile on first use and graph capture), "sync_wait_s"
+    (host seconds blocked reading the finished flag: the share of the loop the device sets the
+    pace of). One event pair per phase, read once at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, torch.cuda.Event | float]] = [("start", self._now())]
+        self.totals: dict[str, float] = {"capture_s": 0.0, "sync_wait_s": 0.0}
+
+    def _now(self) -> torch.cuda.Event | float:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        """End of `phase` (which began at the previous mark)."""
+        self.marks.append((phase, self._now()))
+
+    def timed_wait(self, wait: Callable[[], bool]) -> bool:
+        started = time.perf_counter()
+        result = wait()
+        self.totals["sync_wait_s"] += time.perf_counter() - started
+        return result
+
+    def seconds(self) -> dict[str, float]:
+        """Every phase's seconds (synchronises with the device once)."""
+        out = dict(self.totals)
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        for (_, begin), (phase, end) in zip(self.marks, self.marks[1:]):
+            out[f"{phase}_s"] = begin.elapsed_time(end) / 1e3 if self.cuda else end - begin
+        return out
+
+
+__all__ = ["FinishedFlag", "PhaseClock", "generate"]

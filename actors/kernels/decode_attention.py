@@ -99,7 +99,7 @@ if triton_installed():
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
         stride_ob, stride_oh, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        SLOTS_CLASS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -134,7 +134,7 @@ if triton_installed():
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
         scale, window, chunk,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        SLOTS_CLASS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # One (sequence b, KV head h, split s): slots [s * chunk, (s+1) * chunk) of [lo, length).
         # Partials m, l [B, Hq, S] and acc [B, Hq, S, D] (float32, contiguous), unnormalised.
@@ -185,11 +185,13 @@ if triton_installed():
         out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)  # [D]
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
-    # Both tuned on their first call per (group, head_dim). The split kernel's best block size also
-    # moves with the chunk length (benchmarks/decode_attention_bench.py); keying on it would re-tune
-    # for every cache capacity.
-    _gqa_decode_tuned = triton.autotune(configs=_CONFIGS, key=["GROUP", "HEAD_DIM"])(_gqa_decode_kernel)
-    _gqa_decode_split_tuned = triton.autotune(configs=_CONFIGS, key=["GROUP", "HEAD_DIM"])(_gqa_decode_split_kernel)
+    # Both tuned on their first call per (group, head_dim, slots class): the best block size moves
+    # with the slots one program reads (benchmarks/decode_attention_bench.py). SLOTS_CLASS is the
+    # bit length of that count (the capacity, or the split's chunk), so a new cache capacity
+    # re-tunes only when it doubles, and the first shape's choice no longer serves every later one.
+    _TUNE_KEY = ["GROUP", "HEAD_DIM", "SLOTS_CLASS"]
+    _gqa_decode_tuned = triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)(_gqa_decode_kernel)
+    _gqa_decode_split_tuned = triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)(_gqa_decode_split_kernel)
 
 
 def kernel_supports_head_dim(head_dim: int) -> bool:
@@ -265,7 +267,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     group = n_q // n_kv
     meta = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim,
-            "IEEE": k_cache.dtype == torch.float32}
+            "IEEE": k_cache.dtype == torch.float32, "SLOTS_CLASS": int(k_cache.shape[2]).bit_length()}
     scale, window = head_dim**-0.5, sliding_window or 2**30
     if splits > 1:
         _split_decode(inputs, strides, out, scale, window, splits, block_n, tuned, meta)
@@ -291,6 +293,7 @@ def _split_decode(inputs: tuple[Tensor, ...], strides: tuple[int, ...], out: Ten
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(n_seqs, n_q, splits, head_dim, dtype=torch.float32, device=out.device)
     grid = (n_seqs, n_kv, splits)
+    meta = {**meta, "SLOTS_CLASS": chunk.bit_length()}
     if tuned:
         _gqa_decode_split_tuned[grid](*inputs, m_part, l_part, acc_part, *strides, scale, window, chunk, **meta)
     else:

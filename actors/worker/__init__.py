@@ -28,6 +28,7 @@ May import every other package of actors/ (the top layer), never ray, cluster or
 from __future__ import annotations
 
 from actors.worker.calls import CallSpec
+from actors.worker.data import RowTensors, make_shard
 from actors.worker.execution import plan_micro_batching
 from actors.worker.memory import MemoryPeak, MemoryProbe, memory_probe_for
 from actors.worker.model_worker import ModelWorker
@@ -53,6 +54,8 @@ __all__ = [
     "plan_micro_batching",
     # calls.py
     "CallSpec",
+    # data.py
+    "RowTensors", "make_shard",
     # model_worker.py
     "ModelWorker",
     # ops.py

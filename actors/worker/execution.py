@@ -15,12 +15,15 @@ of generation (`planning.plan.CallExecution`, chosen by the cost model, carried 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from actors.engine import ParallelGroups
-from actors.generation import GenerationConfig, SamplingParams, generate
+from actors.generation import GenerationConfig, GenerationOutput, SamplingParams, generate
 from planning.cost import MAX_MICRO_TOKENS
 from planning.plan import CallExecution
 
@@ -53,7 +56,9 @@ def generation_rounds(execution: CallExecution | None, n_rows: int) -> list[rang
 @dataclass(frozen=True)
 class RoundsOutput:
     """A generation over all its rounds, per row on the host: response ids int64 [r_i], their
-    sampling logprobs float32 [r_i], response lengths and no-EOS flags."""
+    sampling logprobs float32 [r_i], response lengths and no-EOS flags; `seconds`: each phase of
+    the rounds added up (`actors.generation.loop.PhaseClock`, plus "to_host_s", moving the
+    output to the host)."""
 
     responses: list[Tensor]
     logprobs: list[Tensor]
@@ -61,6 +66,7 @@ class RoundsOutput:
     no_eos: list[bool]
     sampling: SamplingParams
     rounds: int
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def generate_in_rounds(model: nn.Module, groups: ParallelGroups, prompts: list[Tensor], rounds: list[range],
@@ -71,17 +77,34 @@ def generate_in_rounds(model: nn.Module, groups: ParallelGroups, prompts: list[T
     logprobs: list[Tensor] = []
     lengths: list[int] = []
     no_eos: list[bool] = []
+    seconds: Counter[str] = Counter()
     sampling = SamplingParams()
     for part in rounds:
         config = config_for(part)
         sampling = config.sampling
         result = generate(model, prompts[part.start:part.stop], config, groups)
-        responses.extend(t.cpu() for t in result.responses())
-        logprobs.extend(t.float().cpu() for t in result.response_logprobs())
-        lengths.extend(int(n) for n in result.response_lengths.tolist())
-        no_eos.extend(bool(x) for x in result.no_eos.tolist())
+        started = time.perf_counter()
+        rows = rows_on_host(result)
+        responses.extend(rows[0])
+        logprobs.extend(rows[1])
+        lengths.extend(rows[2])
+        no_eos.extend(rows[3])
+        seconds.update({**result.stats, "to_host_s": time.perf_counter() - started})
         del result  # the round's device tensors go before the next round allocates its cache
-    return RoundsOutput(responses, logprobs, lengths, no_eos, sampling, len(rounds))
+    return RoundsOutput(responses, logprobs, lengths, no_eos, sampling, len(rounds), dict(seconds))
 
 
-__all__ = ["MicroBatching", "RoundsOutput", "generate_in_rounds", "generation_rounds", "plan_micro_batching"]
+def rows_on_host(out: GenerationOutput) -> tuple[list[Tensor], list[Tensor], list[int], list[bool]]:
+    """Per sequence: response ids int64 [r_i], logprobs float32 [r_i], length, no-EOS flag, moved
+    to the host in one copy per tensor (not one per row) and cut there. Each row is its own
+    tensor (a clone), so pickling a row does not carry the whole call's storage."""
+    tokens, logprobs = out.tokens.cpu(), out.logprobs.float().cpu()
+    prompt_lengths, lengths = out.prompt_lengths.tolist(), out.response_lengths.tolist()
+    seqs = torch.split(tokens, [p + r for p, r in zip(prompt_lengths, lengths)])
+    responses = [seq[p:].clone() for seq, p in zip(seqs, prompt_lengths)]
+    per_row_logprobs = [t.clone() for t in torch.split(logprobs, lengths)]
+    return responses, per_row_logprobs, [int(n) for n in lengths], [bool(x) for x in out.no_eos.tolist()]
+
+
+__all__ = ["MicroBatching", "RoundsOutput", "generate_in_rounds", "generation_rounds", "plan_micro_batching",
+           "rows_on_host"]

@@ -73,7 +73,9 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     rounds = generation_rounds(ctx.call.execution, len(prompts))
     out = generate_in_rounds(engine.model, engine.groups, prompts, rounds,
                              lambda part: generation_config(ctx, rows.start, part))
-    meta = {"response_lengths": out.lengths, "gen_tokens": int(sum(out.lengths)), "gen_rounds": out.rounds}
+    # The phases' seconds (summed over rounds) are averaged over the ranks by the driver.
+    meta = {"response_lengths": out.lengths, "gen_tokens": int(sum(out.lengths)), "gen_rounds": out.rounds,
+            **{f"gen/{key}": value for key, value in out.seconds.items()}}
     responses, logprobs = out.responses, out.logprobs
     if out.sampling.truncates:  # collective over the mesh: every rank, before the owner check
         logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, out.sampling.temperature)

@@ -107,8 +107,10 @@ def preference_shard(batch: Sequence[PreferenceExample]) -> dict[str, Any]:
         prompts += [prompt, prompt.clone()]
         responses += [torch.tensor(example.chosen_ids, dtype=torch.int64),
                       torch.tensor(example.rejected_ids, dtype=torch.int64)]
-    return {"row_start": 0, "n": len(prompts), "prompt_ids": prompts, "response_ids": responses,
-            "pair_index": [example.index for example in batch for _ in (0, 1)]}
+    from actors.worker import make_shard
+
+    return make_shard(0, {"prompt_ids": prompts, "response_ids": responses,
+                          "pair_index": [example.index for example in batch for _ in (0, 1)]})
 
 
 def preference_tokens(batch: Sequence[PreferenceExample]) -> tuple[int, int]:

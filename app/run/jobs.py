@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from actors.worker import CallSpec, ModelWorker, placement_group_sets
+from actors.worker import CallSpec, ModelWorker, make_shard, placement_group_sets
 from app.run.recovery import DriverError, one_line
 from app.run.runtime import init_world, join_virtual_cluster
 from app.run.schedule import data_owners
@@ -64,7 +64,7 @@ class LayoutJob:
         assert self.workers is not None
         n_rows = len(next(iter(rows.values())))
         spec = CallSpec(name, JOB_ROLE, kind, self.placement, 0, n_rows, params)
-        shard = ray.put({"row_start": 0, "n": n_rows, **rows})
+        shard = ray.put(make_shard(0, rows))
         ranks = tuple(self.placement.mesh.gpus)
         refs = [self.workers.actor(r).run_call.options(num_returns=2).remote(spec, shard) for r in ranks]
         try:  # one line naming the worker and its original exception

@@ -194,12 +194,13 @@ def prompt_shard(batch: Sequence[Any]) -> dict[str, Any]:
     texts and answers."""
     import torch
 
-    return {
-        "row_start": 0, "n": len(batch),
+    from actors.worker import make_shard
+
+    return make_shard(0, {
         "prompt_ids": [torch.tensor(e.prompt_ids, dtype=torch.int64) for e in batch],
         "prompt": [e.prompt for e in batch],
         "answer": [e.answer for e in batch],
-    }
+    })
 
 
 def realloc_member_sets(graph: Graph, plan: ExecutionPlan, model_roles: tuple[str, ...]) -> list[tuple[Placement, Placement, str]]:
