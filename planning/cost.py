@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
+    MODEL_FREE_S_PER_TOKEN,
     OPTIMIZER_TRAFFIC_PER_PARAM,
     SAMPLING_BYTES_PER_LOGIT,
     CallGeometry,
@@ -184,6 +185,8 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
     holds only its own KV cache, and streams the weights again). With `execution`, the one level
     it names. A level is feasible when it fits `problem.mem_limit_bytes`; an illegal layout gives
     one infeasible level with infinite cost."""
+    if mfc.model_free:
+        return [model_free_cost(mfc, placement.layout)]
     if mfc.role not in problem.models:
         raise ValueError(f"call {mfc.name}: role {mfc.role!r} has no model in the problem")
     role = problem.models[mfc.role]
@@ -224,6 +227,14 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
         reason = "" if mem <= problem.mem_limit_bytes else _too_big(problem, mem, problem.mem_limit_bytes)
         levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution, host))
     return levels
+
+
+def model_free_cost(mfc: MFC, layout: Layout) -> CallCost:
+    """A call that runs no model (`MFC.model_free`): host seconds for the response tokens of one
+    dp replica's rows, no GPU memory, any layout."""
+    rows = math.ceil(mfc.batch.n_seqs / layout.dp)
+    host_s = rows * mfc.batch.gen_len * MODEL_FREE_S_PER_TOKEN * mfc.expected_runs
+    return CallCost(host_s, 0.0, True, {"host_s": host_s})
 
 
 def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:

@@ -36,6 +36,11 @@ OPTIMIZER_TRAFFIC_PER_PARAM = 126
 # And per micro-batch of a train call: backward writes each parameter's bf16 gradient (2 bytes),
 # which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
 GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
+# Host seconds per response token of a model-free call (`MFC.model_free`: a rule-based reward
+# decodes every response with the actor's tokenizer and scores it on the workers' host threads).
+# Measured on the H200 host (issue 27, docs/benchmarks.md): 0.12-0.27 s for the peer bench's
+# 512 x 512 response tokens and a length rule.
+MODEL_FREE_S_PER_TOKEN = 7e-7
 # Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
 # saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
 TRAIN_LOGIT_BYTES = 4

@@ -112,6 +112,9 @@ class MFC:
     with_entropy: a train call whose loss has an entropy bonus (more memory per logit).
     multi_turn: a generate call whose trajectories take several turns with an environment
         (`MultiTurn`; batch.gen_len is then one turn's decode length); None: single-turn.
+    model_free: an inference call that runs no model: a rule-based reward scored on the workers'
+        host threads, or the environments' rewards of multi-turn rollouts. It holds no weights and
+        no GPU memory; its time is host time (`planning.cost_terms.MODEL_FREE_S_PER_TOKEN`).
     """
 
     name: str
@@ -125,6 +128,7 @@ class MFC:
     expected_runs: float = 1.0
     with_entropy: bool = False
     multi_turn: MultiTurn | None = None
+    model_free: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -137,6 +141,8 @@ class MFC:
             raise ValueError(f"MFC {self.name}: expected_runs={self.expected_runs} must be >= 1")
         if self.multi_turn is not None and self.kind != "generate":
             raise ValueError(f"MFC {self.name}: multi_turn is for generate calls, not {self.kind}")
+        if self.model_free and self.kind != "inference":
+            raise ValueError(f"MFC {self.name}: model_free is for inference calls, not {self.kind}")
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,11 @@ class Graph:
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.role for m in self.mfcs))
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """Roles whose weights some call runs (a role used only by model-free calls has none)."""
+        return tuple(dict.fromkeys(m.role for m in self.mfcs if not m.model_free))
 
     @property
     def trained_roles(self) -> tuple[str, ...]:

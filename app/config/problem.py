@@ -78,7 +78,17 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
     this config (`unread_keys`), with run.max_staleness. The planner and the driver both get this
     graph, so a dropped call is neither planned, loaded nor run."""
     graph = with_staleness(prune_graph(algorithm_graph(cfg), unread_keys(cfg)), cfg.run.max_staleness)
+    if reward_is_model_free(cfg):
+        graph = replace(graph, mfcs=tuple(replace(m, model_free=True) if m.role == "reward" else m
+                                          for m in graph.mfcs))
     return with_entropy_bonus(graph) if cfg.ppo.entropy_coef > 0 else graph
+
+
+def reward_is_model_free(cfg: ExperimentConfig) -> bool:
+    """Whether the reward calls run no model: a rule-based reward (reward.function) or the
+    environments' rewards (rollout.env). Their role then loads no weights, and the planner prices
+    them as host time (`planning.dataflow.MFC.model_free`)."""
+    return cfg.algorithm != "dpo" and (cfg.rollout.env is not None or cfg.reward.function is not None)
 
 
 def unread_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
@@ -245,6 +255,8 @@ def check_cluster_memory(cfg: ExperimentConfig, problem: PlanningProblem) -> Non
     trained = set(problem.graph.trained_roles)
     need = optimizer = 0.0
     for role, model in problem.models.items():
+        if role not in problem.graph.model_roles:  # a model-free reward loads no weights
+            continue
         params = model.spec.n_params(model.critic)
         need += (TRAINED_BYTES_PER_PARAM if role in trained else FROZEN_BYTES_PER_PARAM) * params
         optimizer += OPTIMIZER_BYTES_PER_PARAM * params if role in trained else 0.0

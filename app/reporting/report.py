@@ -47,10 +47,14 @@ class CallRow:
     turns: float | None = None  # multi-turn generate: turns per trajectory the estimate charges
     env_step_s: float | None = None  # ... seconds of one environment step
     env_wait_s: float | None = None  # ... the call's seconds waiting on environments (all rounds and runs)
+    model_free: bool = False  # runs no model: a rule-based reward on the workers' host threads
 
     @property
     def runs_as(self) -> str:
-        """'4 x 16384 tok', '2 rounds', '1 round, 4 turns, env 80.0 ms' or '' (for tables)."""
+        """'4 x 16384 tok', '2 rounds', '1 round, 4 turns, env 80.0 ms', 'host, no model' or ''
+        (for tables)."""
+        if self.model_free:
+            return "host, no model"
         if self.gen_rounds is not None:
             rounds = f"{self.gen_rounds} round{'s' if self.gen_rounds > 1 else ''}"
             return rounds + self.turns_note
@@ -148,7 +152,8 @@ def plan_report(
                             execution.gen_rounds if execution else None,
                             sim.call_mem_bytes.get(mfc.name, math.nan) / GiB,
                             turns.turns if turns else None, turns.env_step_s if turns else None,
-                            env_wait * mfc.expected_runs if turns and env_wait is not None else None))
+                            env_wait * mfc.expected_runs if turns and env_wait is not None else None,
+                            mfc.model_free))
     models = model_rows(problem, plan, sim)
     c = problem.cluster
     return PlanReport(
@@ -217,7 +222,7 @@ def plan_json(report: PlanReport) -> dict[str, Any]:
              "micro_batches": r.micro_batches, "gen_rounds": r.gen_rounds, "est_time_s": _json_number(r.est_time_s),
              "est_mem_gib": _json_number(r.est_mem_gib), "est_peak_gib": _json_number(r.est_peak_gib),
              "feasible": r.feasible, "turns": r.turns, "env_step_s": r.env_step_s,
-             "env_wait_s": None if r.env_wait_s is None else _json_number(r.env_wait_s)}
+             "env_wait_s": None if r.env_wait_s is None else _json_number(r.env_wait_s), "model_free": r.model_free}
             for r in report.calls
         ],
         "est_iteration_s": _json_number(report.est_iteration_s),

@@ -122,7 +122,7 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         settings = settings_from_config(cfg, tokenizer_spec if reward_fn or multi_turn else None, reward_fn, eos, pad)
     except ValueError as exc:  # the message names the field (e.g. ppo.kl_estimator)
         raise ConfigError("config", cfg.algorithm, "values the algorithm accepts", problem=str(exc)) from None
-    models = role_models(cfg, problem, reward_fn is not None or multi_turn)
+    models = role_models(cfg, problem)
     sources = role_sources(cfg)
     for role, model in models.items():  # weights present, headers readable, names and shapes as configured
         if model.hf_dir is not None:
@@ -140,14 +140,13 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
     )
 
 
-def role_models(cfg: ExperimentConfig, problem: PlanningProblem, rule_reward: bool) -> dict[str, RoleModel]:
-    """The roles that hold weights, in graph order; a rule-based reward leaves the reward role out."""
+def role_models(cfg: ExperimentConfig, problem: PlanningProblem) -> dict[str, RoleModel]:
+    """The roles that hold weights, in graph order; a model-free reward (a rule, or the
+    environments' rewards: `reward_is_model_free`) leaves the reward role out."""
     sources = role_sources(cfg)
     trained = set(problem.graph.trained_roles)
     out = {}
-    for role in problem.graph.roles:
-        if role == "reward" and rule_reward:
-            continue
+    for role in problem.graph.model_roles:
         field, source = sources[role]
         out[role] = RoleModel(role, model_spec(field, source), role in ("critic", "reward"), source.path,
                               role in trained)

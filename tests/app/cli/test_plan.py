@@ -82,7 +82,7 @@ def test_json_is_one_object_with_the_schema() -> None:
         mesh = Mesh.parse(call["mesh"], gpus_per_node=4)
         assert call["dp"] * call["tp"] * call["pp"] == mesh.size
         assert mesh.start + mesh.size <= 4
-        assert call["est_time_s"] > 0 and call["est_mem_gib"] > 0
+        assert call["est_time_s"] > 0 and (call["est_mem_gib"] > 0) != call["model_free"]  # a rule reward: host only
     assert 0 < report["est_iteration_s"] <= report["baseline_iteration_s"] * 1.0001
     assert report["search_s"] >= 0 and report["evaluated_plans"] >= 1
 
@@ -102,7 +102,9 @@ def test_manual_plan_is_reported_as_given() -> None:
     assert report["plan"]["actor_train"]["micro_batch_tokens"] == 96 and report["plan"]["actor_gen"]["gen_rounds"] == 2
     # 64 prompts / (dp4 x 2 minibatches) = 8 sequences of 24 tokens per replica: 192 / 96 = 2.
     assert calls["actor_train"]["micro_batches"] == 2
-    assert all((c["gen_rounds"] or c["micro_batch_tokens"]) and c["est_peak_gib"] > 0 for c in calls.values())
+    assert all((c["gen_rounds"] or c["micro_batch_tokens"] or c["model_free"]) and c["est_peak_gib"] > 0
+               for c in calls.values())
+    assert calls["rew_inf"]["model_free"] and calls["rew_inf"]["micro_batch_tokens"] is None  # the toy rule
 
 
 def test_searched_plan_pins_back_as_manual_with_the_same_estimate() -> None:
