@@ -21,6 +21,7 @@ from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement
 from planning.cost import ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency, preset_efficiency
 from planning.dataflow import (
+    MFC,
     OUTCOME_ALGORITHMS,
     BatchShape,
     Graph,
@@ -302,17 +303,21 @@ def manual_plan(cfg: ExperimentConfig, problem: PlanningProblem) -> ExecutionPla
         entry = given[mfc.name]
         assert entry is not None  # `missing` above
         placements[mfc.name] = _manual_placement(mfc.name, entry, problem.models[mfc.role].spec, problem.cluster)
-        execution = _manual_execution(mfc.name, mfc.kind, entry)
+        execution = _manual_execution(mfc, entry)
         if execution is not None:
             executions[mfc.name] = execution
     # A fixed plan.optimizer_offload goes with the plan; otherwise the search adds what it needs.
     return ExecutionPlan.from_dict(placements, executions).with_offload(dict(problem.optimizer_offload))
 
 
-def _manual_execution(name: str, kind: str, given: ManualPlacement) -> CallExecution | None:
+def _manual_execution(mfc: MFC, given: ManualPlacement) -> CallExecution | None:
     """The call's micro_batch_tokens / gen_rounds, when set; the one that does not fit the call's
-    kind is a ConfigError."""
-    field = f"plan.manual.{name}"
+    kind (or any, for a call that runs no model) is a ConfigError."""
+    name, kind, field = mfc.name, mfc.kind, f"plan.manual.{mfc.name}"
+    if mfc.model_free and given.micro_batch_tokens is not None:
+        raise ConfigError(f"{field}.micro_batch_tokens", given.micro_batch_tokens,
+                          f"unset for {name}: it runs no model (a rule or environment reward on the workers' "
+                          "host threads), so it has no micro-batches")
     if kind == "generate" and given.micro_batch_tokens is not None:
         raise ConfigError(f"{field}.micro_batch_tokens", given.micro_batch_tokens,
                           f"unset for {name}, a generate call (it takes gen_rounds)")

@@ -107,3 +107,17 @@ def test_cluster_memory_check_leaves_a_model_free_reward_out(tmp_path: Path) -> 
                                "models: {actor: {preset: llama3.2-1b}, reward: {preset: llama3.2-1b}}")
     with pytest.raises(ConfigError, match="too small for the models"):
         build_problem(load_config(_write(tmp_path, with_model + "reward: {function: null}\n")))
+
+
+def test_manual_micro_batches_for_a_model_free_call_are_refused(tmp_path: Path) -> None:
+    from app.config import ConfigError, manual_plan
+
+    manual = ("plan: {mode: manual, manual: {actor_gen: {mesh: n0, layout: dp1tp1pp1}, "
+              "rew_inf: {mesh: n0, layout: dp1tp1pp1, micro_batch_tokens: 64}, "
+              "ref_inf: {mesh: n0, layout: dp1tp1pp1}, actor_train: {mesh: n0, layout: dp1tp1pp1}}}\n")
+    cfg = load_config(_write(tmp_path, BASE + manual))
+    with pytest.raises(ConfigError, match=r"plan.manual.rew_inf.micro_batch_tokens=64: .*it runs no model"):
+        manual_plan(cfg, build_problem(cfg))
+    fine = load_config(_write(tmp_path, BASE + manual.replace(", micro_batch_tokens: 64", "")))
+    plan = manual_plan(fine, build_problem(fine))
+    assert plan is not None and plan.execution("rew_inf") is None
