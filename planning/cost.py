@@ -22,9 +22,10 @@ GPU for each optimizer step at `HardwareSpec.host_bw`: `planning.offload`),
 activations of the micro-batches in flight (no recomputation), KV cache for generation. A call
 that does not fit is infeasible (with a reason), never merely slow. Each call has memory
 levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (enough for the
-pipeline and at most MAX_MICRO_TOKENS tokens each), or generation in 1, 2, 4 ... rounds; the
-fastest level that fits the memory left to the call is used, so a call squeezed by other
-models' resident weights still runs, only slower (`planning.plan_space` passes that budget).
+pipeline and at most `planning.call_levels.MAX_MICRO_TOKENS` tokens each), or generation in
+1, 2, 4 ... rounds (`planning.call_levels`); the fastest level that fits the memory left to the
+call is used, so a call squeezed by other models' resident weights still runs, only slower
+(`planning.plan_space` passes that budget).
 Each level carries its `CallExecution` (the micro-batch token budget, or the rounds): the plan
 records the chosen one and the workers run it; `execution=` prices exactly a given one.
 `PlanningProblem.memory_margin` keeps that fraction of every GPU free (the usable memory is
@@ -60,14 +61,12 @@ from planning.cost_terms import (
     reduce_scatter_s,
     sampling_s,
 )
+from planning.call_levels import level_execution, level_splits, split_of
 from planning.dataflow import MFC, ROLES, Graph
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
 from planning.offload import check_fractions, normalized, optimizer_parts
 from planning.plan import CallExecution, ExecutionPlan, Placement, check_execution_kind
-
-# Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
-MAX_MICRO_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -206,13 +205,13 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
     links = Links(problem.cluster.hardware, problem.efficiency, placement)
     if execution is None:
         # Each level as the execution the plan will record (a token budget rounds the count).
-        executions = list(dict.fromkeys(_execution_of(mfc, seqs, split) for split in _splits(mfc, layout, seqs)))
+        executions = list(dict.fromkeys(level_execution(mfc, seqs, split) for split in level_splits(mfc, layout, seqs)))
     else:
         check_execution_kind(mfc.name, mfc.kind, execution)
         executions = [execution]
     splits = [(split_of(mfc, seqs, e), e) for e in executions]
     levels = []
-    for split, level_execution in splits:
+    for split, level in splits:
         host = 0.0
         if mfc.kind == "generate":
             parts = _generate(mfc, geo, layout, links, seqs, split)
@@ -225,7 +224,7 @@ def call_cost_levels(problem: PlanningProblem, mfc: MFC, placement: Placement,
         time_s = sum(v for k, v in parts.items() if k.endswith("_s")) * mfc.expected_runs
         mem = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         reason = "" if mem <= problem.mem_limit_bytes else _too_big(problem, mem, problem.mem_limit_bytes)
-        levels.append(CallCost(time_s, mem, not reason, parts, reason, level_execution, host))
+        levels.append(CallCost(time_s, mem, not reason, parts, reason, level, host))
     return levels
 
 
@@ -235,23 +234,6 @@ def model_free_cost(mfc: MFC, layout: Layout) -> CallCost:
     rows = math.ceil(mfc.batch.n_seqs / layout.dp)
     host_s = rows * mfc.batch.gen_len * MODEL_FREE_S_PER_TOKEN * mfc.expected_runs
     return CallCost(host_s, 0.0, True, {"host_s": host_s})
-
-
-def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:
-    """Micro-batches (or rounds) per replica that `execution` gives a replica of `seqs`
-    sequences of `mfc` (at least 1, at most one sequence each)."""
-    if mfc.kind == "generate":
-        assert execution.gen_rounds is not None
-        return max(1, min(seqs, execution.gen_rounds))
-    assert execution.micro_batch_tokens is not None
-    return max(1, min(seqs, math.ceil(seqs * mfc.batch.seq_len / execution.micro_batch_tokens)))
-
-
-def _execution_of(mfc: MFC, seqs: int, split: int) -> CallExecution:
-    """The execution of a level: its rounds, or its micro-batches' token budget."""
-    if mfc.kind == "generate":
-        return CallExecution(gen_rounds=split)
-    return CallExecution(micro_batch_tokens=math.ceil(seqs * mfc.batch.seq_len / split))
 
 
 # Breakdown entries that grow with the work in flight (scaled by PlanningProblem.memory_scale).
@@ -264,19 +246,6 @@ def _too_big(problem: PlanningProblem, need: float, budget: float) -> str:
         return f"needs {need / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB free"
     margin = f" ({problem.memory_margin:.0%} kept free)" if problem.memory_margin else ""
     return f"needs {need / 2**30:.1f} GiB per GPU, {hw.name} has {budget / 2**30:.1f} GiB{margin}"
-
-
-def _splits(mfc: MFC, layout: Layout, seqs: int) -> list[int]:
-    """Micro-batch counts (train, inference) or generation rounds to consider, doubling."""
-    if mfc.kind == "generate":
-        first = 1
-    else:
-        tokens = seqs * mfc.batch.seq_len
-        first = min(seqs, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(tokens / MAX_MICRO_TOKENS)))
-    out = [first]
-    while out[-1] < seqs:
-        out.append(min(seqs, 2 * out[-1]))
-    return out
 
 
 def weight_bytes_per_gpu(role: ModelRole, layout: Layout) -> float:

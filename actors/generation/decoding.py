@@ -8,7 +8,7 @@ other's loop (the generation package's docstring has the order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -122,6 +122,13 @@ class GenerationOutput:
 
     def response_logprobs(self) -> list[Tensor]:
         return list(torch.split(self.logprobs, self.response_lengths.tolist()))
+
+    def cpu(self) -> GenerationOutput:
+        """The same output on the host (one copy per tensor; logprobs as float32)."""
+        kept = self.kept_counts.cpu() if self.kept_counts is not None else None
+        return replace(self, tokens=self.tokens.cpu(), cu_seqlens=self.cu_seqlens.cpu(),
+                       prompt_lengths=self.prompt_lengths.cpu(), response_lengths=self.response_lengths.cpu(),
+                       logprobs=self.logprobs.float().cpu(), kept_counts=kept, no_eos=self.no_eos.cpu())
 
 
 # ---- bookkeeping of sampled tokens -----------------------------------------------------------

@@ -19,12 +19,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from actors.engine import ParallelGroups
 from actors.generation import GenerationConfig, GenerationOutput, SamplingParams, generate
-from planning.cost import MAX_MICRO_TOKENS
+from planning.call_levels import MAX_MICRO_TOKENS
 from planning.plan import CallExecution
 
 
@@ -98,12 +97,10 @@ def rows_on_host(out: GenerationOutput) -> tuple[list[Tensor], list[Tensor], lis
     """Per sequence: response ids int64 [r_i], logprobs float32 [r_i], length, no-EOS flag, moved
     to the host in one copy per tensor (not one per row) and cut there. Each row is its own
     tensor (a clone), so pickling a row does not carry the whole call's storage."""
-    tokens, logprobs = out.tokens.cpu(), out.logprobs.float().cpu()
-    prompt_lengths, lengths = out.prompt_lengths.tolist(), out.response_lengths.tolist()
-    seqs = torch.split(tokens, [p + r for p, r in zip(prompt_lengths, lengths)])
-    responses = [seq[p:].clone() for seq, p in zip(seqs, prompt_lengths)]
-    per_row_logprobs = [t.clone() for t in torch.split(logprobs, lengths)]
-    return responses, per_row_logprobs, [int(n) for n in lengths], [bool(x) for x in out.no_eos.tolist()]
+    host = out.cpu()
+    responses = [r.clone() for r in host.responses()]
+    logprobs = [lp.clone() for lp in host.response_logprobs()]
+    return responses, logprobs, host.response_lengths.tolist(), host.no_eos.tolist()
 
 
 __all__ = ["MicroBatching", "RoundsOutput", "generate_in_rounds", "generation_rounds", "plan_micro_batching",

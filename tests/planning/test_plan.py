@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem, split_of
+from planning.call_levels import split_of
+from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem
 from planning.dataflow import BatchShape, grpo_graph, ppo_graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh

@@ -13,7 +13,7 @@ from actors.worker.calls import CallSpec
 from actors.worker.execution import generation_rounds, plan_micro_batching
 from actors.worker.memory import MemoryPeak, NoMemoryProbe, memory_probe_for
 from actors.worker.model_worker import ModelWorker
-from planning.cost import MAX_MICRO_TOKENS
+from planning.call_levels import MAX_MICRO_TOKENS
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
 from planning.plan import CallExecution, Placement

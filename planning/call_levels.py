@@ -1,0 +1,52 @@
+"""A call's memory levels as executions (`planning.cost.call_cost_levels`): how many micro-batches
+(training, inference) or generation rounds each level runs per dp replica, the token budget or
+round count the plan records for it, and back.
+
+    level_splits(mfc, layout, seqs)          # [first, 2 x first, ...] up to one sequence each
+    level_execution(mfc, seqs, split)        # CallExecution(micro_batch_tokens=...) or (gen_rounds=...)
+    split_of(mfc, seqs, execution)           # the split an execution gives (its inverse, rounded)
+"""
+
+from __future__ import annotations
+
+import math
+
+from planning.dataflow import MFC
+from planning.layout import Layout
+from planning.plan import CallExecution
+
+# Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
+MAX_MICRO_TOKENS = 16384
+
+
+def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:
+    """Micro-batches (or rounds) per replica that `execution` gives a replica of `seqs`
+    sequences of `mfc` (at least 1, at most one sequence each)."""
+    if mfc.kind == "generate":
+        assert execution.gen_rounds is not None
+        return max(1, min(seqs, execution.gen_rounds))
+    assert execution.micro_batch_tokens is not None
+    return max(1, min(seqs, math.ceil(seqs * mfc.batch.seq_len / execution.micro_batch_tokens)))
+
+
+def level_execution(mfc: MFC, seqs: int, split: int) -> CallExecution:
+    """The execution of a level: its rounds, or its micro-batches' token budget."""
+    if mfc.kind == "generate":
+        return CallExecution(gen_rounds=split)
+    return CallExecution(micro_batch_tokens=math.ceil(seqs * mfc.batch.seq_len / split))
+
+
+def level_splits(mfc: MFC, layout: Layout, seqs: int) -> list[int]:
+    """Micro-batch counts (train, inference) or generation rounds to consider, doubling."""
+    if mfc.kind == "generate":
+        first = 1
+    else:
+        tokens = seqs * mfc.batch.seq_len
+        first = min(seqs, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(tokens / MAX_MICRO_TOKENS)))
+    out = [first]
+    while out[-1] < seqs:
+        out.append(min(seqs, 2 * out[-1]))
+    return out
+
+
+__all__ = ["MAX_MICRO_TOKENS", "level_execution", "level_splits", "split_of"]
