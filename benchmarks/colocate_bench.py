@@ -69,7 +69,8 @@ import actors.generation.loop as generation_loop
 from actors.engine.model_engine import ModelEngine, SequenceBatch
 from actors.engine.optimizer import AdamWConfig
 from actors.engine.process_groups import ParallelGroups
-from actors.generation.decoding import DecodeStep, GenerationConfig
+from actors.generation.decode_step import DecodeStep
+from actors.generation.decoding import GenerationConfig
 from actors.generation.loop import generate
 from benchmarks.engine_bench import loss_fn, make_batch
 from benchmarks.generate_bench import build_random_model, mode_config

@@ -4,7 +4,7 @@
     python benchmarks/generate_bench.py --tp 2          # two H200s, 2 spawned processes, NCCL
     python benchmarks/generate_bench.py --cpu --tiny    # seconds on a laptop (checks the script)
     python benchmarks/generate_bench.py --grpo-step     # the generation call of benchmarks/peer_bench.py
-        # (issue 13): 512 sequences (64 prompts x 8) of 128 tokens, 512 new tokens sampled at
+        # (issue 13): 512 sequences (64 prompts x 8, --group 8) of 128 tokens, 512 new tokens sampled at
         # temperature 1, modes graph and graph+compile; the target is >= 60% of the roofline
 
 Random weights; 256 prompts of 128 random tokens, 512 new tokens, EOS ignored, greedy. For each
@@ -42,6 +42,7 @@ from planning.layout import Layout
 from planning.models import ModelSpec, model_preset
 
 H200_BANDWIDTH = 4.3e12
+MODES_HELP = "eager|graph[+sdpa|+matmul|+triton][+compile][+lanesN]"
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--group", type=int, default=1,
+                        help="rows per distinct prompt (samples of one prompt share its prefill)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s per GPU")
-    parser.add_argument("--modes", default="eager,graph+sdpa,graph,graph+compile",
-                        help="comma list of eager|graph[+sdpa|+matmul|+triton][+compile]")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma list of {MODES_HELP} (default eager,graph+sdpa,graph,graph+compile; "
+                             "with --grpo-step graph,graph+compile)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, gloo)")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
     parser.add_argument("--profile", action="store_true",
@@ -78,8 +82,9 @@ def parse_args() -> argparse.Namespace:
                         help="peer_bench's generation: 512 prompts of 128 tokens, 512 new tokens, temperature 1")
     args = parser.parse_args()
     if args.grpo_step:
-        args.prompts, args.prompt_len, args.new_tokens, args.temperature = 512, 128, 512, 1.0
-        args.modes = "graph,graph+compile"
+        args.prompts, args.prompt_len, args.new_tokens, args.temperature, args.group = 512, 128, 512, 1.0, 8
+        args.modes = args.modes or "graph,graph+compile"
+    args.modes = args.modes or "eager,graph+sdpa,graph,graph+compile"
     if args.tiny:
         args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
     return args
@@ -128,16 +133,18 @@ def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: Gene
 
 def mode_config(mode: str, new_tokens: int, temperature: float = 0.0) -> GenerationConfig:
     """Config of a mode: "eager" or "graph", optionally with a decode attention kernel "+sdpa",
-    "+matmul" or "+triton" (default "auto": Triton on CUDA) and "+compile" (torch.compile'd
-    decode step), e.g. "graph+compile+sdpa"."""
+    "+matmul" or "+triton" (default "auto": Triton on CUDA), "+compile" (torch.compile'd decode
+    step) and "+lanesN" (N row lanes per step; default 1), e.g. "graph+compile+lanes1"."""
     parts = mode.split("+")
     kernels = {"sdpa", "matmul", "triton"}
-    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile"}:
-        raise ValueError(f"--modes: {mode!r} unknown; allowed: eager|graph[+sdpa|+matmul|+triton][+compile]")
+    lanes = [p for p in parts[1:] if p.startswith("lanes")]
+    if parts[0] not in ("eager", "graph") or not set(parts[1:]) - set(lanes) <= kernels | {"compile"} \
+            or any(not p[5:].isdigit() or int(p[5:]) < 1 for p in lanes) or len(lanes) > 1:
+        raise ValueError(f"--modes: {mode!r} unknown; allowed: {MODES_HELP}")
     kernel = next((p for p in parts[1:] if p in kernels), "auto")
     return GenerationConfig(new_tokens, SamplingParams(temperature=temperature), ignore_eos=True,
                             use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
-                            decode_attention=kernel)
+                            decode_attention=kernel, decode_lanes=int(lanes[0][5:]) if lanes else 1)
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[BenchResult]:
@@ -155,8 +162,11 @@ def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[Benc
     dtype = torch.float32 if args.cpu else torch.bfloat16
     model = build_random_model(spec, Layout(tp=args.tp), groups, device, dtype)
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=gen).to(device)
-               for _ in range(args.prompts)]
+    if args.group < 1 or args.prompts % args.group:
+        raise SystemExit(f"--group {args.group}: must be >= 1 and divide --prompts {args.prompts}")
+    distinct = [torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=gen).to(device)
+                for _ in range(args.prompts // args.group)]
+    prompts = [p for p in distinct for _ in range(args.group)]  # a group's rows share one tensor
     roofline = roofline_tokens_per_s(model, spec, args)
     results = []
     for mode in args.modes.split(","):
@@ -196,7 +206,8 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
     compiles and captures), to see where a decode step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from actors.generation.decoding import DecodeStep, prepare_cache
+    from actors.generation.decode_step import DecodeStep
+    from actors.generation.decoding import prepare_cache
     from actors.generation.sampling import sample_tensor_parallel, step_uniforms
 
     config = mode_config(mode, 64, temperature)
@@ -205,7 +216,7 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
     tp_group = groups.tp_group if groups is not None else None
     with torch.no_grad():
         logits = model(tokens, batch, cache)[batch.last_token_indices()]
-        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
 
         def one_step(logits: torch.Tensor) -> torch.Tensor:
             uniforms = None if config.sampling.greedy else step_uniforms(0, 0, len(prompts), logits.device)
@@ -228,7 +239,8 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
 def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:
     where = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}"
-    print(f"\n{args.preset} tp={args.tp} on {where}: {args.prompts} prompts x {args.prompt_len} tokens, "
+    print(f"\n{args.preset} tp={args.tp} on {where}: {args.prompts} prompts x {args.prompt_len} tokens "
+          f"({args.prompts // args.group} distinct), "
           f"{args.new_tokens} new tokens {how}, bandwidth {args.bandwidth:.2e} B/s per GPU")
     print(f"{'mode':<22} {'prefill s':>10} {'decode s':>10} {'decode tok/s':>14} {'roofline tok/s':>15} {'ratio':>7}")
     for r in results:

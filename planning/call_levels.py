@@ -16,7 +16,7 @@ from planning.layout import Layout
 from planning.plan import CallExecution
 
 # Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
-MAX_MICRO_TOKENS = 16384
+MAX_MICRO_TOKENS = 32768
 
 
 def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:

@@ -339,8 +339,10 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     traj = trajectory(batch, mfc.multi_turn)
     spec = geo.spec
     per_round = math.ceil(seqs / rounds)
-    prompt_tokens = per_round * max(batch.prompt_len, 1)
-    # A round prefills its prompts in one packed pass (pp = 1) or one per pipeline micro-batch.
+    # A round prefills its prompts in one packed pass (pp = 1), each distinct prompt once (a
+    # group of samples shares it), or every row's prompt in one pass per pipeline micro-batch.
+    distinct = math.ceil(per_round / batch.prompt_group) if layout.pp == 1 else per_round
+    prompt_tokens = distinct * max(batch.prompt_len, 1)
     n_prefill = min(per_round, layout.pp)
     prefill = _pass_time(geo, layout, links, prompt_tokens, n_prefill, batch.prompt_len / 2, 1)
     parts = {"prefill_s": prefill.pop("compute_s")}
@@ -371,8 +373,11 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     parts["weights_bytes"] = weights
     parts["kv_cache_bytes"] = per_round * traj.kv_slots * geo.kv_bytes_per_token_layer * geo.stage_layers
     # Prefill keeps the logits of each prompt's last token only, so its peak is a block's working
-    # set; sampling's [rows, vocab] buffers (gathered on tp rank 0) are the other candidate.
+    # set (plus, for shared prompts, a layer's K/V copied out to every row); sampling's
+    # [rows, vocab] buffers (gathered on tp rank 0) are the other candidate.
     prefill_bytes = prompt_tokens / n_prefill * inference_bytes_per_token_layer(spec, layout.tp)
+    if distinct < per_round:
+        prefill_bytes += per_round * batch.prompt_len * geo.kv_bytes_per_token_layer
     parts["activation_bytes"] = max(prefill_bytes, per_round * spec.vocab_size * SAMPLING_BYTES_PER_LOGIT,
                                     observation_bytes(geo, layout, per_round, traj))
     parts["generation_rounds"] = float(rounds)  # informational

@@ -40,18 +40,20 @@ class BatchShape:
 
     n_seqs: sequences in the call. prompt_len / gen_len: tokens of prompt and response (for
     generate, gen_len is the number of decoding steps; for inference and train the sequences are
-    prompt_len + gen_len tokens long).
+    prompt_len + gen_len tokens long). prompt_group: consecutive sequences that share one prompt
+    (samples per prompt); a generate call prefills each prompt once (actors.generation.prefill).
     """
 
     n_seqs: int
     prompt_len: int
     gen_len: int
+    prompt_group: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n_seqs", "prompt_len", "gen_len"):
+        for name in ("n_seqs", "prompt_len", "gen_len", "prompt_group"):
             value = getattr(self, name)
-            if value < (1 if name == "n_seqs" else 0):
-                raise ValueError(f"batch.{name}={value}: must be {'positive' if name == 'n_seqs' else '>= 0'}")
+            if value < (0 if name in ("prompt_len", "gen_len") else 1):
+                raise ValueError(f"batch.{name}={value}: must be {'>= 0' if name in ('prompt_len', 'gen_len') else 'positive'}")
 
     @property
     def seq_len(self) -> int:
@@ -305,6 +307,7 @@ def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_miniba
     if group_size < 1:
         raise ValueError(f"group_size={group_size}: must be >= 1")
     gen, grouped = _shapes(BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len), multi_turn)
+    gen = replace(gen, prompt_group=group_size)  # generation prefills each prompt once
     seq = ("seq", "prompt_mask")
     return Graph(algorithm, (
         MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), gen,

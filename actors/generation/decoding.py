@@ -1,5 +1,5 @@
 """The pieces a decode loop is built from: what to generate, the recorded output, the memory
-check, the cached decode step (CUDA graph / torch.compile) and the prefilled cache.
+check and the prefilled cache (the decode step itself is actors.generation.decode_step).
 
 `actors.generation.loop` runs them as one serial loop and `actors.generation.pipelined` as
 micro-batches circulating through pipeline stages; both import this module, neither imports the
@@ -33,6 +33,8 @@ class GenerationConfig:
     elementwise kernels of a step; compiles once per call and attention bucket shape).
     fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
     per call, `actors.generation.kv_cache.FusedQKV`; costs those weights' bytes for the call).
+    decode_lanes: row groups a CUDA-graph decode step runs side by side, one CUDA stream each,
+    so one group's attention (reading its KV cache) may overlap another's projections (matmul).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -51,6 +53,7 @@ class GenerationConfig:
     decode_attention: str = "auto"
     compile_decode: bool = False
     fuse_qkv: bool = True
+    decode_lanes: int = 1
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -64,6 +67,8 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
             raise ValueError(f"GenerationConfig.pp_micro_batches={self.pp_micro_batches}: must be >= 1 or None")
+        if not isinstance(self.decode_lanes, int) or self.decode_lanes < 1:
+            raise ValueError(f"GenerationConfig.decode_lanes={self.decode_lanes!r}: must be an int >= 1")
         if self.uniform_offset < 0 or (self.uniform_total is not None and self.uniform_total <= self.uniform_offset):
             raise ValueError(f"GenerationConfig.uniform_offset={self.uniform_offset}, uniform_total={self.uniform_total}: "
                              "need 0 <= offset < total")
@@ -247,83 +252,6 @@ def local_vocab(model: nn.Module) -> int:
     return int(weight.shape[0])
 
 
-# ---- the decode step ----------------------------------------------------------------------------
-
-
-def parameter_key(model: nn.Module) -> tuple[int, ...]:
-    """data_ptr() of every parameter: changes when reallocation moves the weights."""
-    return tuple(p.data_ptr() for p in model.parameters())
-
-
-class DecodeStep:
-    """One decode forward over a fixed KV cache: eager, or replaying a captured CUDA graph.
-
-    A graph reads `static_input` ([B] token ids, or [B, H] hidden states on later pipeline
-    stages) and the cache at fixed addresses, writes the new K/V at `cache.lengths`, advances the
-    lengths and leaves logits [B, V_local] (or hidden [B, H]) in its static output. One graph per
-    attention length bucket, captured on first use; all are dropped (and re-captured lazily)
-    when the parameters' addresses change or after `invalidate()`.
-    """
-
-    def __init__(self, model: nn.Module, cache: HeadMajorKVCache, use_cuda_graph: bool,
-                 compile_model: bool = False) -> None:
-        self.model = model
-        # torch.compile'd forward for decode (same parameters; the wrapper only changes kernels).
-        self.forward = torch.compile(model) if compile_model else model
-        self.cache = cache
-        self.batch = cache.decode_batch()  # positions come from cache.lengths during decode
-        self.use_cuda_graph = use_cuda_graph and cache.lengths.device.type == "cuda"
-        device = cache.lengths.device
-        if getattr(model, "has_embedding", True):
-            self.static_input = torch.zeros(cache.n_seqs, dtype=torch.int64, device=device)
-        else:
-            param = next(model.parameters())
-            self.static_input = torch.zeros(cache.n_seqs, model.spec.hidden_size, dtype=param.dtype, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # attend_len -> (graph, output)
-        self.key: tuple[int, ...] = ()
-
-    def invalidate(self) -> None:
-        """Drop the captured graphs (the next call re-captures)."""
-        self.graphs.clear()
-
-    def __call__(self, x: Tensor, attend_len: int | None = None) -> Tensor:
-        """x: tokens int64 [B] (first stage) or hidden [B, H]; returns logits/hidden [B, ...].
-        attend_len: cache slots decode attention reads (default: all)."""
-        self.cache.set_attend_len(attend_len or self.cache.max_len)
-        if not self.use_cuda_graph:
-            if self.cache.qkv is not None:
-                self.cache.qkv.refresh()  # weights moved since the last step: re-concatenate
-            return self.forward(x, self.batch, self.cache)
-        if parameter_key(self.model) != self.key:
-            self.invalidate()
-            if self.cache.qkv is not None:
-                self.cache.qkv.refresh()
-            self.key = parameter_key(self.model)
-        if self.cache.attend_len not in self.graphs:
-            self.graphs[self.cache.attend_len] = self.capture()
-        graph, output = self.graphs[self.cache.attend_len]
-        self.static_input.copy_(x)
-        graph.replay()
-        return output
-
-    def capture(self) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        saved_lengths = self.cache.lengths.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Warm-up runs (lazy buffers, kernel selection); each writes the slot the next real
-            # step overwrites anyway, and the lengths are put back.
-            for _ in range(2):
-                self.forward(self.static_input, self.batch, self.cache)
-                self.cache.lengths.copy_(saved_lengths)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self.forward(self.static_input, self.batch, self.cache)
-        self.cache.lengths.copy_(saved_lengths)
-        return graph, output
-
-
 def attend_length(max_prompt: int, n_generated: int, config: GenerationConfig, max_len: int) -> int:
     """Cache slots a decode step must read: the longest sequence after appending its input token
     (max_prompt + n_generated + 1), rounded up to the bucket, at most max_len."""
@@ -359,6 +287,6 @@ def prepare_cache(model: nn.Module, prompts: list[Tensor], config: GenerationCon
 
 
 __all__ = [
-    "DecodeStep", "GenerationConfig", "GenerationOutput", "ResponseRecorder", "attend_length", "check_memory",
-    "kv_cache_bytes", "logits_bytes", "parameter_key", "prepare_cache",
+    "GenerationConfig", "GenerationOutput", "ResponseRecorder", "attend_length", "check_memory",
+    "kv_cache_bytes", "logits_bytes", "prepare_cache",
 ]

@@ -8,7 +8,8 @@ token tensors of different lengths. The call:
 1. checks that the KV cache (n_seqs x (max_prompt + max_new_tokens) per layer), the fused
    [q; k; v] weights and the logits fit in free memory, failing with the bytes needed and
    available before allocating anything;
-2. prefills all prompts packed (varlen attention), writing K/V into the cache;
+2. prefills all prompts packed (varlen attention), writing K/V into the cache; rows that hold
+   the same prompt tensor (samples of one prompt) share one forward (actors.generation.prefill);
 3. decodes one token per sequence per step until every sequence has emitted EOS or
    max_new_tokens tokens. Finished sequences keep a fixed slot in the (static-shape) step, but
    their tokens are ignored; the loop ends when all are done. The host reads that flag after it
@@ -26,7 +27,9 @@ is one graph per attention-length bucket (the cache read up to the longest seque
 `attend_bucket` slots). `DecodeStep` re-captures (and re-concatenates the fused [q; k; v]
 weights) whenever the parameters' data_ptr()s change (weights moved by reallocation) or after
 `invalidate()`. `compile_decode` adds torch.compile under the graph, which fuses the many small
-elementwise kernels of a step (1.4x on an H200, docs/benchmarks.md).
+elementwise kernels of a step (1.4x on an H200, docs/benchmarks.md). With `decode_lanes` > 1
+the graph forks groups of rows onto their own CUDA streams (actors.generation.decode_step; off by
+default: it measured slower, docs/benchmarks.md).
 The cache is `actors.generation.kv_cache.HeadMajorKVCache` (head-major K/V, GQA folded into the query axis).
 """
 
@@ -40,8 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from actors.engine import ParallelGroups
+from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
-    DecodeStep,
     GenerationConfig,
     GenerationOutput,
     ResponseRecorder,
@@ -50,6 +53,7 @@ from actors.generation.decoding import (
 )
 from actors.generation.kv_cache import FusedQKV
 from actors.generation.pipelined import generate_pipelined
+from actors.generation.prefill import prefill
 from actors.generation.sampling import sample_tensor_parallel
 
 
@@ -69,10 +73,10 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     clock = PhaseClock(device)
     prompt_tokens, batch, cache = prepare_cache(model, prompts, config, device)
     recorder = ResponseRecorder(len(prompts), config, device)
-    logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
+    logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     clock.mark("prefill")
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
     finished = FinishedFlag(device) if config.stop_token is not None else None
     steps = 0
     for step in range(config.max_new_tokens):

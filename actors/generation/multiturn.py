@@ -36,7 +36,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from actors.engine import ParallelGroups, broadcast_from_first
-from actors.generation.decoding import DecodeStep, GenerationConfig, attend_length, prepare_cache
+from actors.generation.decode_step import DecodeStep
+from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
+from actors.generation.prefill import prefill
 from actors.generation.kv_cache import CacheExtension, FusedQKV, extension_batch
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
 from actors.generation.turns import TurnResult, TurnSource
@@ -218,9 +220,9 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     # One spare slot: a finished row's idle decode steps write at its length, which may be the budget.
     sizing = dataclasses.replace(config, max_new_tokens=budget + 1)
     prompt_tokens, batch, cache = prepare_cache(model, prompts, sizing, device)
-    logits = model(prompt_tokens, batch, cache, head_indices=batch.last_token_indices())  # [B, V_local]
+    logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
     state = _Trajectories([p.numel() for p in prompts], config, budget)
     draws = _RowDraws(config, len(prompts), budget, device)
     stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "device_wait_s": 0.0}

@@ -69,7 +69,9 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     n_samples = samples_per_prompt(ctx)
     rows = ctx.my_rows
     cols, index = prompt_columns(ctx, inputs)
-    prompts = [cols["prompt_ids"][i].to(ctx.device) for i in index]
+    # One device tensor per prompt, shared by its rows: generation prefills it once for them all.
+    distinct = [ids.to(ctx.device) for ids in cols["prompt_ids"]]
+    prompts = [distinct[i] for i in index]
     rounds = generation_rounds(ctx.call.execution, len(prompts))
     out = generate_in_rounds(engine.model, engine.groups, prompts, rounds,
                              lambda part: generation_config(ctx, rows.start, part))

@@ -56,6 +56,16 @@ def _samples(ctx: CallContext, inputs: Sequence[dict | None]) -> list[dict[str, 
             for r, i in zip(ctx.my_rows, index)]
 
 
+def shared_prompt_tensors(prompt_ids: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each row's prompt as an int64 device tensor; rows with equal ids share one tensor, so that
+    generation prefills that prompt once for them all (actors.generation.prefill)."""
+    distinct: dict[tuple[int, ...], torch.Tensor] = {}
+    for ids in prompt_ids:
+        if tuple(ids) not in distinct:
+            distinct[tuple(ids)] = torch.tensor(ids, dtype=torch.int64, device=device)
+    return [distinct[tuple(ids)] for ids in prompt_ids]
+
+
 def _round(ctx: CallContext, samples: list[dict[str, Any]], part: range, env: dict[str, Any],
            ) -> tuple[Any, list[dict[str, Any]], dict[str, float]]:
     """One round of rows: environments built, prompts shared, trajectories generated."""
@@ -66,7 +76,7 @@ def _round(ctx: CallContext, samples: list[dict[str, Any]], part: range, env: di
         source = factory(samples=[samples[i] for i in part], **env["kwargs"])
     try:
         prompt_ids = broadcast_from_first(source.prompts() if source is not None else None, ctx.groups.tp_group)
-        prompts = [torch.tensor(ids, dtype=torch.int64, device=ctx.device) for ids in prompt_ids]
+        prompts = shared_prompt_tensors(prompt_ids, ctx.device)
         config = generation_config(ctx, ctx.my_rows.start, part if len(part) < len(samples) else None)
         out = generate_turns(engine.model, prompts, config, int(env["budget"]), source, engine.groups)
         outcomes = source.outcomes() if source is not None else []

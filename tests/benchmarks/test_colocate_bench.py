@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from actors.generation import loop
-from actors.generation.decoding import DecodeStep
+from actors.generation.decode_step import DecodeStep
 from benchmarks.colocate_bench import CaptureGate, GatedDecodeStep, gated_decode_steps
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -74,10 +74,12 @@ def test_generation_keeps_the_last_tokens_logits_only() -> None:
     rounds = CallExecution(gen_rounds=1)
     short, long = _grpo(prompt_len=128), _grpo(prompt_len=512)
     rows = 64 * 8
-    # Prefill of 512 prompts in one packed pass: a block's working set over all prompt tokens,
-    # or sampling's [rows, vocab] buffers; never [prompt tokens, vocab] logits.
+    # Prefill of 64 distinct prompts for 512 rows in one packed pass: a block's working set over
+    # the distinct prompt tokens plus one layer's K/V copied to every row, or sampling's
+    # [rows, vocab] buffers; never [prompt tokens, vocab] logits.
+    kv_per_token = 2 * LLAMA_1B.n_kv_heads * LLAMA_1B.head_dim * 2
     for problem, prompt_len in ((short, 128), (long, 512)):
-        prefill = rows * prompt_len * inference_bytes_per_token_layer(LLAMA_1B, 1)
+        prefill = 64 * prompt_len * inference_bytes_per_token_layer(LLAMA_1B, 1) + rows * prompt_len * kv_per_token
         sampling = rows * LLAMA_1B.vocab_size * SAMPLING_BYTES_PER_LOGIT
         assert _activation(problem, "actor_gen", rounds) == pytest.approx(max(prefill, sampling))
     # Two rounds halve the prefill's working set along with the KV cache.

@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors.engine.model import Transformer, rope_inv_freq
-from actors.generation.decoding import DecodeStep, GenerationConfig, ResponseRecorder, prepare_cache
+from actors.generation.decode_step import DecodeStep
+from actors.generation.decoding import GenerationConfig, ResponseRecorder, prepare_cache
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.sampling import SampledTokens
 from planning.models import model_preset

@@ -335,7 +335,7 @@ def test_cli_generate_errors_exit_2_with_one_line(tmp_path: Any, capsys: pytest.
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_and_recaptures_after_weights_move() -> None:
-    from actors.generation.decoding import DecodeStep
+    from actors.generation.decode_step import DecodeStep
     from actors.generation.kv_cache import HeadMajorKVCache
 
     model = ours_from_hf(build_hf("Llama")).cuda()

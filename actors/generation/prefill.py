@@ -1,0 +1,92 @@
+"""The prefill of a generation call: the forward over the packed prompts that fills the KV cache
+and gives each row's first logits, run once per distinct prompt.
+
+Why once: GRPO-style calls sample several responses per prompt, so their rows repeat each prompt
+(the peer bench: 64 prompts x 8 rows). The repeated rows' prompt K/V are identical, and a
+forward over all 512 rows' prompt tokens does 8x the matmul work of one over the 64 prompts.
+Rows that hold the same prompt tensor object as an earlier row (what a worker hands over for the
+samples of one prompt; equal but separate tensors are prefilled separately) share one forward:
+`SharedPrefill` runs the model over the distinct prompts, writes each one's K/V into the cache
+rows of every row that repeats it, and the rows take their prompt's last-token logits. Every row
+keeps its own cache row, so the decode steps are unchanged; the samples differ through each
+row's own random draws.
+
+    logits = prefill(model, prompts, tokens, batch, cache)   # [B, V_local], cache prefilled
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from actors.engine import PackedBatch, pack_sequences, packed_attention
+from actors.generation.kv_cache import HeadMajorKVCache
+
+
+def prompt_sources(prompts: list[Tensor]) -> list[int]:
+    """Per row, the index of its prompt among the distinct prompt tensors (by object, numbered
+    in order of first appearance)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(prompt), len(first)) for prompt in prompts]
+
+
+def prefill(model: nn.Module, prompts: list[Tensor], tokens: Tensor, batch: PackedBatch,
+            cache: HeadMajorKVCache) -> Tensor:
+    """Prefill `cache` with every row's prompt (`tokens` / `batch`: all rows packed, as
+    `prepare_cache` made them); returns logits [B, V_local] of each row's last prompt token.
+    Rows repeating a prompt object share its forward (module docstring)."""
+    sources = prompt_sources(prompts)
+    n_distinct = max(sources) + 1
+    if n_distinct == len(prompts):
+        return model(tokens, batch, cache, head_indices=batch.last_token_indices())
+    distinct: dict[int, Tensor] = {}
+    for prompt, source in zip(prompts, sources):
+        distinct.setdefault(source, prompt)
+    distinct_tokens, distinct_batch = pack_sequences([distinct[i].to(torch.int64) for i in range(n_distinct)],
+                                                     tokens.device)
+    source = torch.tensor(sources, dtype=torch.int64, device=tokens.device)
+    shared = SharedPrefill(cache, batch, distinct_batch, source)
+    logits = model(distinct_tokens, distinct_batch, shared, head_indices=distinct_batch.last_token_indices())
+    return logits[source]  # [U, V_local] -> [B, V_local]
+
+
+class SharedPrefill:
+    """A forward over the distinct prompts that fills the cache rows of all rows (the model sees
+    a cache before its prefill: it calls `prefill` per layer, then `advance`).
+
+    rows_batch: every row's prompt, packed (B sequences); distinct_batch: the distinct prompts
+    (U sequences), what the forward runs over; source: int64 [B], row b's prompt in it.
+    """
+
+    prefilled = False
+
+    def __init__(self, cache: HeadMajorKVCache, rows_batch: PackedBatch, distinct_batch: PackedBatch,
+                 source: Tensor) -> None:
+        if rows_batch.n_seqs != cache.n_seqs:
+            raise ValueError(f"prefill: batch has {rows_batch.n_seqs} sequences, cache holds {cache.n_seqs}")
+        if rows_batch.max_seqlen > cache.max_len:
+            raise ValueError(f"prefill: prompt of {rows_batch.max_seqlen} tokens exceeds cache max_len={cache.max_len}")
+        self.cache, self.rows_batch = cache, rows_batch
+        # Cache row and slot of every row token, and the distinct token it copies: the start of
+        # its row's prompt in the distinct packing plus its position. All int64 [T_rows].
+        self.seq, self.pos = rows_batch.seq_ids(), rows_batch.positions
+        starts = distinct_batch.cu_seqlens[:-1].to(torch.int64)
+        self.token_source = starts[source][self.seq] + self.pos
+
+    def fused_qkv(self, layer: int) -> None:
+        return None  # the [q; k; v] concatenation serves decode steps only
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
+                sliding_window: int | None, kv_index: Tensor | None) -> Tensor:
+        """q [T_u, Hq, D], k/v [T_u, Hkv, D] of the distinct prompts -> their attention output."""
+        cache_k, cache_v = self.cache.k[layer], self.cache.v[layer]
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T_rows, Hkv, D].
+        cache_k[self.seq, :, self.pos] = k[self.token_source].to(cache_k.dtype)
+        cache_v[self.seq, :, self.pos] = v[self.token_source].to(cache_v.dtype)
+        return packed_attention(q, k, v, batch, backend, sliding_window, kv_index)
+
+    def advance(self, batch: PackedBatch) -> None:
+        self.cache.advance(self.rows_batch)  # every row's prompt length; the cache is now prefilled
+
+
+__all__ = ["SharedPrefill", "prefill", "prompt_sources"]
