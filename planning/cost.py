@@ -352,8 +352,10 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     weights = 2.0 * geo.stage_params
     n_mb = min(per_round, layout.pp)
     mb = per_round / n_mb
-    ctx = traj.ctx
-    per_mb_stage = decode_stage_s(geo, links, mb, ctx)
+    # Rows of one prompt read its cached K/V from one copy (the Triton decode attention's shared
+    # prefix, pp = 1): HBM serves a group's prompt slots once, L2 the rest.
+    shared = batch.prompt_len * (1 - 1 / batch.prompt_group) if layout.pp == 1 else 0.0
+    per_mb_stage = decode_stage_s(geo, links, mb, traj.ctx - shared)
     tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
     steps = traj.decode_steps

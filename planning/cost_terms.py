@@ -298,7 +298,7 @@ def p2p_bandwidth(hw: HardwareSpec, mesh_size: int, gpus_per_node: int) -> float
 
 
 def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float) -> float:
-    """One decode step of `rows` sequences attending to `ctx` keys on average, on the slowest
+    """One decode step of `rows` sequences reading `ctx` cached keys from HBM on average, on the slowest
     stage: the projections and the head (one token per row) then the attention, as separate
     kernels. The projections are bound by streaming the stage's bf16 weights for small batches
     and by their FLOPs for large ones (2 * rows * params: at 512 rows a 1B model's step is

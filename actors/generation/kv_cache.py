@@ -134,6 +134,11 @@ class HeadMajorKVCache(KVCache):
         # of each sequence int64 [n_seqs], and the slot numbers int64 [max_len].
         self.rows = torch.arange(n_seqs, device=device)
         self.slots = torch.arange(max_len, device=device)
+        # Shared prompts (set in place by actors.generation.prefill.SharedPrefill): the Triton
+        # decode attention reads row b's slots [0, prefix_lengths[b]) from row prefix_rows[b],
+        # which holds the same prompt K/V, so a group of samples reads one copy. int64 [n_seqs].
+        self.prefix_rows = self.rows.clone()
+        self.prefix_lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
         # Additive attention masks [n_seqs, 1, 1, attend_len] (0 visible, -inf hidden) of the
         # current decode step, keyed by (dtype, sliding_window): every layer of a step shares
         # one; `advance` (end of each forward) and `reset` drop them.
@@ -159,6 +164,8 @@ class HeadMajorKVCache(KVCache):
         assert isinstance(view, HeadMajorKVCache)
         view.rows = self.rows[: view.n_seqs]
         view.step_masks = {}
+        # A prefix row may lie outside the slice: the view reads only its own rows.
+        view.prefix_rows, view.prefix_lengths = view.rows.clone(), torch.zeros_like(view.lengths)
         return view
 
     def set_attend_len(self, attend_len: int) -> None:
@@ -170,6 +177,7 @@ class HeadMajorKVCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.step_masks.clear()
+        self.prefix_lengths.zero_()
 
     def advance(self, batch: PackedBatch) -> None:
         super().advance(batch)
@@ -218,7 +226,8 @@ class HeadMajorKVCache(KVCache):
             # Writes K/V at slot lengths[b] and attends over [0, lengths[b]] in one kernel.
             # torch.compile traces through the launch (user-defined Triton kernels are supported),
             # so the compiled step keeps fusing the elementwise work around it.
-            return gqa_decode_attention(q, k, v, cache_k, cache_v, self.lengths, sliding_window)
+            return gqa_decode_attention(q, k, v, cache_k, cache_v, self.lengths, sliding_window,
+                                        prefix_rows=self.prefix_rows, prefix_lengths=self.prefix_lengths)
         cache_k[self.rows, :, self.lengths] = k.to(cache_k.dtype)
         cache_v[self.rows, :, self.lengths] = v.to(cache_v.dtype)
         keys, values = cache_k[:, :, : self.attend_len], cache_v[:, :, : self.attend_len]  # [B, Hkv, L, D]

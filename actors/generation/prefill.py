@@ -8,8 +8,10 @@ Rows that hold the same prompt tensor object as an earlier row (what a worker ha
 samples of one prompt; equal but separate tensors are prefilled separately) share one forward:
 `SharedPrefill` runs the model over the distinct prompts, writes each one's K/V into the cache
 rows of every row that repeats it, and the rows take their prompt's last-token logits. Every row
-keeps its own cache row, so the decode steps are unchanged; the samples differ through each
-row's own random draws.
+keeps its own cache row (its appended tokens go there); the Triton decode attention reads the
+prompt's slots of every row from the group's first row (`HeadMajorKVCache.prefix_rows`), so
+the group's programs share one copy through L2. The samples differ through each row's own
+random draws.
 
     logits = prefill(model, prompts, tokens, batch, cache)   # [B, V_local], cache prefilled
 """
@@ -72,6 +74,11 @@ class SharedPrefill:
         self.seq, self.pos = rows_batch.seq_ids(), rows_batch.positions
         starts = distinct_batch.cu_seqlens[:-1].to(torch.int64)
         self.token_source = starts[source][self.seq] + self.pos
+        # The first row of each prompt holds the copy its group's decode attention reads
+        # (HeadMajorKVCache.prefix_rows): int64 [B].
+        first_row = torch.full((distinct_batch.n_seqs,), len(source), dtype=torch.int64, device=source.device)
+        first_row.scatter_reduce_(0, source, torch.arange(len(source), device=source.device), "amin")
+        self.prefix_rows = first_row[source]
 
     def fused_qkv(self, layer: int) -> None:
         return None  # the [q; k; v] concatenation serves decode steps only
@@ -87,6 +94,8 @@ class SharedPrefill:
 
     def advance(self, batch: PackedBatch) -> None:
         self.cache.advance(self.rows_batch)  # every row's prompt length; the cache is now prefilled
+        self.cache.prefix_rows.copy_(self.prefix_rows)  # in place: captured graphs read these buffers
+        self.cache.prefix_lengths.copy_(self.cache.lengths)
 
 
 __all__ = ["SharedPrefill", "prefill", "prompt_sources"]

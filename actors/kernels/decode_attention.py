@@ -28,6 +28,14 @@ second kernel merges the S partials of each query row: M = max m_s, w_s = exp(m_
 out = sum w_s acc_s / sum w_s l_s (an empty split has m = -inf, so w = 0). `decode_splits`
 picks S from the shape and the GPU's multiprocessor count when it is not given.
 
+Shared prompts: rows sampled from one prompt hold equal K/V in their first slots (the
+prefill copies one forward's K/V into every row, actors.generation.prefill). With `prefix_rows`
+and `prefix_lengths` (int64 [B]) a program reads slots [0, prefix_lengths[b]) from row
+prefix_rows[b]'s cache instead of its own: the rows of a group read one copy, which their
+programs (adjacent in the grid, so running together) mostly find in L2, and HBM serves the
+prompt's K/V once per group instead of once per row. Slots from prefix_lengths[b] on, and the
+new token, are the row's own.
+
 `gqa_decode_attention_reference` is the plain-torch twin (tests compare the two; on CPU the
 kernels run only in Triton's interpreter, see actors.kernels.switch). Lengths are not
 advanced here: the cache does that after the whole forward.
@@ -95,7 +103,7 @@ if triton_installed():
 
     @triton.jit
     def _gqa_decode_kernel(
-        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, out_ptr,
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, prefix_rows_ptr, prefix_lengths_ptr, out_ptr,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
         stride_ob, stride_oh, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
@@ -122,15 +130,21 @@ if triton_installed():
         l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + v_self[None, :]
         lo = tl.maximum(length - window + 1, 0)  # no window: window is 2**30, so lo = 0
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, length,
+        # The shared prompt's slots from the row holding it, then the row's own slots.
+        prefix = tl.minimum(tl.load(prefix_lengths_ptr + b).to(tl.int32), length)
+        shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
                                        scale, HEAD_DIM, IEEE, BLOCK_N)
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
+                                       tl.maximum(lo, prefix), length, scale, HEAD_DIM, IEEE, BLOCK_N)
         out = acc / l_i[:, None]
         out_rows = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + dims[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _gqa_decode_split_kernel(
-        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, prefix_rows_ptr, prefix_lengths_ptr,
+        m_ptr, l_ptr, acc_ptr,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
         scale, window, chunk,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
@@ -162,8 +176,12 @@ if triton_installed():
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + tl.where(first, v_self, 0.0)[None, :]
         lo = tl.maximum(tl.maximum(length - window + 1, 0), split * chunk)
         hi = tl.minimum(length, (split + 1) * chunk)
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, hi,
+        prefix = tl.minimum(tl.load(prefix_lengths_ptr + b).to(tl.int32), hi)
+        shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
                                        scale, HEAD_DIM, IEEE, BLOCK_N)
+        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
+                                       tl.maximum(lo, prefix), hi, scale, HEAD_DIM, IEEE, BLOCK_N)
         part = ((b * tl.num_programs(1) + h) * GROUP + rows) * n_splits + split  # [GROUP_PAD]
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
@@ -240,14 +258,17 @@ def _check_shapes(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_ca
 
 def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                          lengths: Tensor, sliding_window: int | None = None, block_n: int | None = None,
-                         splits: int | None = None) -> Tensor:
+                         splits: int | None = None, prefix_rows: Tensor | None = None,
+                         prefix_lengths: Tensor | None = None) -> Tensor:
     """Write k_new/v_new at slot lengths[b] of the caches and attend; returns [B, Hq, D] in q's
     dtype (shapes in the module docstring). Runs the Triton kernels (CUDA, or CPU under the
     interpreter); head_dim must be a power of two >= 16 and every cache must have room.
     block_n: cache slots per loop step; None autotunes on CUDA (64 in the interpreter).
     splits: programs per (sequence, KV head), 1 for the unsplit kernel; None: `decode_splits` of
-    the shape on CUDA when autotuning, else 1."""
+    the shape on CUDA when autotuning, else 1. prefix_rows / prefix_lengths: int64 [B], the row
+    whose cache slots [0, prefix_lengths[b]) row b reads (shared prompts; None: its own)."""
     _check_shapes(q, k_new, v_new, k_cache, v_cache, lengths)
+    prefix_rows, prefix_lengths = _prefix_args(q.shape[0], lengths, prefix_rows, prefix_lengths)
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits={splits!r}: must be a positive integer, or None to choose from the shape")
     n_seqs, n_q, head_dim = q.shape
@@ -262,7 +283,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
     if splits is None:
         splits = decode_splits(n_seqs, n_kv, k_cache.shape[2], _sm_count(q.device)) if tuned else 1
     out = torch.empty(n_seqs, n_q, head_dim, dtype=q.dtype, device=q.device)
-    inputs = (q, k_new, v_new, k_cache, v_cache, lengths)
+    inputs = (q, k_new, v_new, k_cache, v_cache, lengths, prefix_rows, prefix_lengths)
     strides = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     group = n_q // n_kv
@@ -279,11 +300,25 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
     return out
 
 
+def _prefix_args(n_seqs: int, lengths: Tensor, prefix_rows: Tensor | None,
+                 prefix_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The shared-prompt arguments, checked; without them every row reads only its own cache
+    (its own row, no shared slots)."""
+    if (prefix_rows is None) != (prefix_lengths is None):
+        raise ValueError("prefix_rows and prefix_lengths: give both or neither")
+    if prefix_rows is None or prefix_lengths is None:
+        return torch.arange(n_seqs, device=lengths.device), torch.zeros_like(lengths)
+    if prefix_rows.shape != (n_seqs,) or prefix_lengths.shape != (n_seqs,):
+        raise ValueError(f"prefix_rows {tuple(prefix_rows.shape)} / prefix_lengths {tuple(prefix_lengths.shape)}: "
+                         f"must be [{n_seqs}]")
+    return prefix_rows, prefix_lengths
+
+
 def _split_decode(inputs: tuple[Tensor, ...], strides: tuple[int, ...], out: Tensor, scale: float, window: int,
                   splits: int, block_n: int | None, tuned: bool, meta: dict[str, object]) -> None:
     """The split-K path into `out` (contiguous [B, Hq, D]): partials of every split, then the merge."""
     n_seqs, n_q, head_dim = out.shape
-    n_kv, capacity = inputs[3].shape[1], inputs[3].shape[2]
+    n_kv, capacity = inputs[3].shape[1], inputs[3].shape[2]  # k_cache [B, Hkv, L, D]
     # chunk: ceil(capacity / splits) slots rounded up to the block size (the largest tuned one on
     # CUDA), so every split but the last starts on a block boundary; fixed by the capacity alone.
     align = _TUNED_CHUNK_ALIGN if tuned else block_n or 64
@@ -304,15 +339,22 @@ def _split_decode(inputs: tuple[Tensor, ...], strides: tuple[int, ...], out: Ten
 
 
 def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                                   lengths: Tensor, sliding_window: int | None = None) -> Tensor:
+                                   lengths: Tensor, sliding_window: int | None = None,
+                                   prefix_rows: Tensor | None = None, prefix_lengths: Tensor | None = None) -> Tensor:
     """The plain-torch twin of `gqa_decode_attention` (same writes, same result)."""
     _check_shapes(q, k_new, v_new, k_cache, v_cache, lengths)
     n_seqs, n_q, head_dim = q.shape
     n_kv = k_new.shape[1]
+    prefix_rows, prefix_lengths = _prefix_args(n_seqs, lengths, prefix_rows, prefix_lengths)
     rows = torch.arange(n_seqs, device=q.device)
     k_cache[rows, :, lengths] = k_new.to(k_cache.dtype)
     v_cache[rows, :, lengths] = v_new.to(v_cache.dtype)
     slots = torch.arange(k_cache.shape[2], device=q.device)
+    # What each row reads: slots below its prefix length (never the new token's) from its
+    # prefix row, [B, Hkv, L, D].
+    from_prefix = (slots[None, :] < torch.minimum(prefix_lengths, lengths)[:, None])[:, None, :, None]
+    k_cache = torch.where(from_prefix, k_cache[prefix_rows], k_cache)
+    v_cache = torch.where(from_prefix, v_cache[prefix_rows], v_cache)
     visible = slots[None, :] <= lengths[:, None]  # [B, L]
     if sliding_window is not None:
         visible &= slots[None, :] > lengths[:, None] - sliding_window

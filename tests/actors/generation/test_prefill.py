@@ -56,6 +56,10 @@ def test_shared_prefill_fills_the_cache_a_full_prefill_fills(family: str) -> Non
     (full_logits, full), (shared_logits, shared) = results
     torch.testing.assert_close(shared_logits, full_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(shared.lengths, full.lengths) and shared.prefilled
+    # Decode attention reads each group's prompt from its first row; unshared rows read their own.
+    assert shared.prefix_rows.tolist() == [0, 0, 0, 3, 3, 3, 6, 6, 6]
+    assert shared.prefix_lengths.tolist() == [5, 5, 5, 9, 9, 9, 1, 1, 1]
+    assert full.prefix_rows.tolist() == list(range(9)) and not full.prefix_lengths.any()
     for layer in full.k:
         torch.testing.assert_close(shared.k[layer], full.k[layer], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(shared.v[layer], full.v[layer], rtol=1e-5, atol=1e-5)

@@ -63,6 +63,35 @@ def test_kernel_ignores_slots_past_each_length(splits: int) -> None:
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_kernel_reads_shared_prompt_slots_from_the_prefix_row(splits: int, window: int | None) -> None:
+    """Rows 1 and 2 read their first slots from row 0 (the prefill wrote equal K/V there; here
+    they differ, so the test sees where each slot was read). Row 3 reads its own."""
+    q, k_new, v_new, k_cache, v_cache = random_case(4, 2, 4, 16, 40, seed=2)
+    lengths = torch.tensor([12, 20, 9, 30], device=DEVICE)
+    prefix_rows = torch.tensor([0, 0, 0, 3], device=DEVICE)
+    prefix_lengths = torch.tensor([12, 12, 12, 0], device=DEVICE)  # row 2's length is below it: clipped
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, window, block_n=16, splits=splits,
+                               prefix_rows=prefix_rows, prefix_lengths=prefix_lengths)
+    ref = gqa_decode_attention_reference(q, k_new, v_new, k_ref, v_ref, lengths, window, prefix_rows, prefix_lengths)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # writes go to each row's own slot
+    own = gqa_decode_attention_reference(q, k_new, v_new, k_ref.clone(), v_ref.clone(), lengths, window)
+    torch.testing.assert_close(out[3], own[3], rtol=1e-5, atol=1e-5)
+    if window is None:
+        assert not torch.allclose(out[1], own[1], atol=1e-3)  # row 1 read row 0's slots
+    # With equal prompt slots (what the prefill writes), the shared read changes nothing.
+    k_cache[1:3, :, :12], v_cache[1:3, :, :12] = k_cache[0, :, :12], v_cache[0, :, :12]
+    shared = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, window, block_n=16, splits=splits,
+                                  prefix_rows=prefix_rows, prefix_lengths=prefix_lengths)
+    alone = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, window, block_n=16, splits=splits)
+    torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="both or neither"):
+        gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, prefix_rows=prefix_rows)
+
+
 def test_kernel_rejects_bad_shapes() -> None:
     q, k_new, v_new, k_cache, v_cache = random_case(2, 2, 2, 16, 8)
     lengths = torch.zeros(2, dtype=torch.int64, device=DEVICE)
@@ -164,6 +193,20 @@ def test_generation_with_triton_kernel_equals_sdpa(sliding_window: int | None) -
     prompts = [torch.randint(1, 64, (n,), generator=gen).to(DEVICE) for n in (5, 9, 1)]
     greedy = SamplingParams(temperature=0.0)
     runs = {kernel: generate(model, prompts, GenerationConfig(6, greedy, decode_attention=kernel))
+            for kernel in ("sdpa", "triton")}
+    assert torch.equal(runs["sdpa"].tokens, runs["triton"].tokens)
+    torch.testing.assert_close(runs["sdpa"].logprobs, runs["triton"].logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_from_shared_prompts_with_triton_kernel_equals_sdpa() -> None:
+    """Samples of one prompt (rows holding one tensor): the kernel reads the prompt's slots from
+    the group's first row (HeadMajorKVCache.prefix_rows), the SDPA path from each row."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    distinct = [torch.randint(1, 64, (n,), generator=gen).to(DEVICE) for n in (6, 3)]
+    prompts = [p for p in distinct for _ in range(3)]
+    sampled = SamplingParams(temperature=1.0)
+    runs = {kernel: generate(model, prompts, GenerationConfig(5, sampled, seed=1, decode_attention=kernel))
             for kernel in ("sdpa", "triton")}
     assert torch.equal(runs["sdpa"].tokens, runs["triton"].tokens)
     torch.testing.assert_close(runs["sdpa"].logprobs, runs["triton"].logprobs, rtol=1e-4, atol=1e-4)
