@@ -42,7 +42,7 @@ from planning.layout import Layout
 from planning.models import ModelSpec, model_preset
 
 H200_BANDWIDTH = 4.3e12
-MODES_HELP = "eager|graph[+sdpa|+matmul|+triton][+compile][+lanesN]"
+MODES_HELP = "eager|graph[+sdpa|+matmul|+triton][+compile]"
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--group", type=int, default=1,
-                        help="rows per distinct prompt (samples of one prompt share its prefill)")
+    parser.add_argument("--group", type=int, default=None,
+                        help="rows per distinct prompt, sharing its prefill and its cached prompt K/V "
+                             "(default 1; 8 with --grpo-step)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s per GPU")
@@ -82,9 +83,11 @@ def parse_args() -> argparse.Namespace:
                         help="peer_bench's generation: 512 prompts of 128 tokens, 512 new tokens, temperature 1")
     args = parser.parse_args()
     if args.grpo_step:
-        args.prompts, args.prompt_len, args.new_tokens, args.temperature, args.group = 512, 128, 512, 1.0, 8
+        args.prompts, args.prompt_len, args.new_tokens, args.temperature = 512, 128, 512, 1.0
+        args.group = args.group or 8
         args.modes = args.modes or "graph,graph+compile"
     args.modes = args.modes or "eager,graph+sdpa,graph,graph+compile"
+    args.group = args.group or 1
     if args.tiny:
         args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
     return args
@@ -134,17 +137,15 @@ def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: Gene
 def mode_config(mode: str, new_tokens: int, temperature: float = 0.0) -> GenerationConfig:
     """Config of a mode: "eager" or "graph", optionally with a decode attention kernel "+sdpa",
     "+matmul" or "+triton" (default "auto": Triton on CUDA), "+compile" (torch.compile'd decode
-    step) and "+lanesN" (N row lanes per step; default 1), e.g. "graph+compile+lanes1"."""
+    step), e.g. "graph+compile+sdpa"."""
     parts = mode.split("+")
     kernels = {"sdpa", "matmul", "triton"}
-    lanes = [p for p in parts[1:] if p.startswith("lanes")]
-    if parts[0] not in ("eager", "graph") or not set(parts[1:]) - set(lanes) <= kernels | {"compile"} \
-            or any(not p[5:].isdigit() or int(p[5:]) < 1 for p in lanes) or len(lanes) > 1:
+    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile"}:
         raise ValueError(f"--modes: {mode!r} unknown; allowed: {MODES_HELP}")
     kernel = next((p for p in parts[1:] if p in kernels), "auto")
     return GenerationConfig(new_tokens, SamplingParams(temperature=temperature), ignore_eos=True,
                             use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
-                            decode_attention=kernel, decode_lanes=int(lanes[0][5:]) if lanes else 1)
+                            decode_attention=kernel)
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[BenchResult]:
@@ -216,7 +217,7 @@ def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: P
     tp_group = groups.tp_group if groups is not None else None
     with torch.no_grad():
         logits = model(tokens, batch, cache)[batch.last_token_indices()]
-        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
+        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
 
         def one_step(logits: torch.Tensor) -> torch.Tensor:
             uniforms = None if config.sampling.greedy else step_uniforms(0, 0, len(prompts), logits.device)

@@ -16,7 +16,10 @@ from planning.layout import Layout
 from planning.plan import CallExecution
 
 # Largest micro-batch (tokens per data-parallel replica) before memory forces a smaller one.
-MAX_MICRO_TOKENS = 32768
+# Larger ones buy nothing measurable: the peer bench's training call (issue 27, fifth step in
+# docs/benchmarks.md) took 4.74-4.82 s at 10 x 32,768 tokens against 4.73-4.81 s at 20 x 16,384,
+# and peaked 28 GiB higher.
+MAX_MICRO_TOKENS = 16384
 
 
 def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:

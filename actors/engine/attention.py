@@ -15,7 +15,6 @@ cache, attention over the cache with a length mask; static shapes, no host sync)
 
 from __future__ import annotations
 
-import copy
 
 import functools
 import importlib.util
@@ -264,20 +263,6 @@ class KVCache:
         """Forget all cached tokens (buffers are kept, so CUDA graphs stay valid)."""
         self.lengths.zero_()
         self.prefilled = False
-
-    def row_slice(self, start: int, stop: int) -> KVCache:
-        """This cache's sequences [start, stop) as a cache of their own: its K/V buffers, lengths
-        and step increments are views of this one's rows (a decode step over the slice writes
-        into this cache), so a step can be split into groups of rows that run side by side."""
-        if not 0 <= start < stop <= self.n_seqs:
-            raise ValueError(f"row_slice({start}, {stop}): need 0 <= start < stop <= n_seqs={self.n_seqs}")
-        view = copy.copy(self)
-        view.n_seqs = stop - start
-        view.k = {idx: buf[start:stop] for idx, buf in self.k.items()}  # rows are the first dim
-        view.v = {idx: buf[start:stop] for idx, buf in self.v.items()}
-        view.lengths = self.lengths[start:stop]
-        view.step_increment = self.step_increment[start:stop]
-        return view
 
     def decode_batch(self) -> PackedBatch:
         """Boundaries of a decode step: one token per sequence at position `lengths`."""

@@ -4,7 +4,8 @@ May import actors.engine and actors.kernels. In dependency order:
   sampling     greedy / temperature / top-k / top-p, and the truncation the train side reapplies
   kv_cache     the head-major KV cache decode reads once per step, and the fused [q; k; v] weights
   decoding     what to generate, the recorded output, the memory check, the prefilled cache
-  decode_step  the cached decode step (CUDA graph, torch.compile), split into lanes of rows
+  decode_step  the cached decode step (CUDA graph, torch.compile)
+  prefill      the prompts' forward, once per distinct prompt (samples of one prompt share it)
   pipelined  pipeline-parallel generation: micro-batches circulate through the stages
   loop       `generate`: the serial loop, or the pipelined one when the layout has pp > 1
   turns      what the multi-turn loop asks of the environments (`TurnSource`, `TurnResult`)

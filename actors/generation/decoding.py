@@ -33,8 +33,6 @@ class GenerationConfig:
     elementwise kernels of a step; compiles once per call and attention bucket shape).
     fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
     per call, `actors.generation.kv_cache.FusedQKV`; costs those weights' bytes for the call).
-    decode_lanes: row groups a CUDA-graph decode step runs side by side, one CUDA stream each,
-    so one group's attention (reading its KV cache) may overlap another's projections (matmul).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -53,7 +51,6 @@ class GenerationConfig:
     decode_attention: str = "auto"
     compile_decode: bool = False
     fuse_qkv: bool = True
-    decode_lanes: int = 1
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -67,8 +64,6 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
             raise ValueError(f"GenerationConfig.pp_micro_batches={self.pp_micro_batches}: must be >= 1 or None")
-        if not isinstance(self.decode_lanes, int) or self.decode_lanes < 1:
-            raise ValueError(f"GenerationConfig.decode_lanes={self.decode_lanes!r}: must be an int >= 1")
         if self.uniform_offset < 0 or (self.uniform_total is not None and self.uniform_total <= self.uniform_offset):
             raise ValueError(f"GenerationConfig.uniform_offset={self.uniform_offset}, uniform_total={self.uniform_total}: "
                              "need 0 <= offset < total")

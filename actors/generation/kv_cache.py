@@ -157,17 +157,6 @@ class HeadMajorKVCache(KVCache):
     def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         return self.qkv.weights.get(layer) if self.qkv is not None else None
 
-    def row_slice(self, start: int, stop: int) -> HeadMajorKVCache:
-        """Rows [start, stop) over this cache's buffers (`KVCache.row_slice`); shares the fused
-        [q; k; v] weights set so far and keeps masks of its own."""
-        view = super().row_slice(start, stop)
-        assert isinstance(view, HeadMajorKVCache)
-        view.rows = self.rows[: view.n_seqs]
-        view.step_masks = {}
-        # A prefix row may lie outside the slice: the view reads only its own rows.
-        view.prefix_rows, view.prefix_lengths = view.rows.clone(), torch.zeros_like(view.lengths)
-        return view
-
     def set_attend_len(self, attend_len: int) -> None:
         """Attend over slots [0, attend_len) in decode; must cover every length + 1."""
         if not 1 <= attend_len <= self.max_len:

@@ -27,9 +27,7 @@ is one graph per attention-length bucket (the cache read up to the longest seque
 `attend_bucket` slots). `DecodeStep` re-captures (and re-concatenates the fused [q; k; v]
 weights) whenever the parameters' data_ptr()s change (weights moved by reallocation) or after
 `invalidate()`. `compile_decode` adds torch.compile under the graph, which fuses the many small
-elementwise kernels of a step (1.4x on an H200, docs/benchmarks.md). With `decode_lanes` > 1
-the graph forks groups of rows onto their own CUDA streams (actors.generation.decode_step; off by
-default: it measured slower, docs/benchmarks.md).
+elementwise kernels of a step (1.4x on an H200, docs/benchmarks.md).
 The cache is `actors.generation.kv_cache.HeadMajorKVCache` (head-major K/V, GQA folded into the query axis).
 """
 
@@ -76,7 +74,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     clock.mark("prefill")
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
+    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     finished = FinishedFlag(device) if config.stop_token is not None else None
     steps = 0
     for step in range(config.max_new_tokens):

@@ -222,7 +222,7 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     prompt_tokens, batch, cache = prepare_cache(model, prompts, sizing, device)
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode, config.decode_lanes)
+    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     state = _Trajectories([p.numel() for p in prompts], config, budget)
     draws = _RowDraws(config, len(prompts), budget, device)
     stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "device_wait_s": 0.0}

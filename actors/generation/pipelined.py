@@ -151,7 +151,7 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     fused = FusedQKV(model) if config.fuse_qkv else None  # one copy shared by every slot's cache
     for slot in slots:
         slot.cache.qkv = fused
-    decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode, lanes=1) for slot in slots]
+    decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode) for slot in slots]
     messenger = PipelineMessenger(groups, model.spec.hidden_size, param.dtype, device)
     recorder = ResponseRecorder(len(prompts), config, device)
     running = [True] * len(slots)

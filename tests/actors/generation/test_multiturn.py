@@ -85,15 +85,12 @@ def full_logprobs(model: torch.nn.Module, out: TurnsOutput, temperature: float =
     return result
 
 
-@pytest.mark.parametrize(("delays", "lanes"), [([0.0, 0.0, 0.0, 0.0], 1), ([0.0, 0.05, 0.01, 0.08], 1),
-                                               ([0.0, 0.05, 0.01, 0.08], 3)])
-def test_resumed_cache_equals_fresh_prefill(delays: list[float], lanes: int) -> None:
-    """lanes 3: decode steps split into row lanes (views of the cache) while rows pause."""
+@pytest.mark.parametrize("delays", [[0.0, 0.0, 0.0, 0.0], [0.0, 0.05, 0.01, 0.08]])
+def test_resumed_cache_equals_fresh_prefill(delays: list[float]) -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=1))
     prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6], seed=5)
     source = ScriptedTurns(prompts, turns=[3, 2, 3, 1], delay_s=delays)
-    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS,
-                              decode_lanes=lanes)
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS)
     out = generate_turns(model, prompts, config, budget=40, source=source)
     fresh = full_logprobs(model, out)
     for i in range(len(prompts)):
@@ -162,18 +159,17 @@ def test_pipeline_layout_is_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward(lanes: int) -> None:
+def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward() -> None:
     """On CUDA: CUDA-graph decode steps with the Triton decode attention (head_dim 32), paused rows
     (step_increment 0) and observation prefills through the varlen kernel (bf16), against one
-    fresh forward of each whole conversation; lanes 2: the graph forks two row lanes on two streams."""
+    fresh forward of each whole conversation."""
     device = torch.device("cuda")
     hf = build_hf("Llama", seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2)
     model = ours_from_hf(hf).to(device=device, dtype=torch.bfloat16)
     prompts = [p.to(device) for p in random_prompts(BASE["vocab_size"], [5, 9, 1, 6], seed=5)]
     config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS,
-                              use_cuda_graph=True, decode_lanes=lanes)
+                              use_cuda_graph=True)
     out = generate_turns(model, prompts, config, 40, ScriptedTurns(prompts, turns=[3, 2, 3, 1],
                                                                    delay_s=[0.02, 0.0, 0.05, 0.01]))
     fresh = full_logprobs(model, out)
