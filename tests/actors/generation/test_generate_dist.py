@@ -46,8 +46,10 @@ def save_hf(root: Path, family: str) -> tuple[Path, transformers.PreTrainedModel
 
 
 def prompts_for(vocab: int) -> list[torch.Tensor]:
+    """The prompts, the second one twice as one tensor (two samples of it: a shared prefill)."""
     gen = torch.Generator().manual_seed(4)
-    return [torch.randint(3, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
+    distinct = [torch.randint(3, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
+    return distinct[:2] + distinct[1:]
 
 
 def configs(eos: int) -> dict[str, GenerationConfig]:
