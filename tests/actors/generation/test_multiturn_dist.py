@@ -29,7 +29,7 @@ from tests.dist_harness import run_distributed
 pytestmark = pytest.mark.dist
 torch.set_num_threads(1)
 
-TURNS = [3, 2, 1, 3, 2]
+TURNS = [3, 2, 1, 1, 3, 2]  # rows 1 and 2 are two samples of one prompt (prompts_for shares it)
 BUDGET = 24
 CONFIG = GenerationConfig(4, SamplingParams(temperature=1.0), seed=7, eos_token_id=5)
 

@@ -63,8 +63,7 @@ def test_kernel_ignores_slots_past_each_length(splits: int) -> None:
     assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize(("splits", "window"), [(1, None), (2, 6), (3, None)])
 def test_kernel_reads_shared_prompt_slots_from_the_prefix_row(splits: int, window: int | None) -> None:
     """Rows 1 and 2 read their first slots from row 0 (the prefill wrote equal K/V there; here
     they differ, so the test sees where each slot was read). Row 3 reads its own."""
