@@ -32,9 +32,9 @@ Shared prompts: rows sampled from one prompt hold equal K/V in their first slots
 prefill copies one forward's K/V into every row, actors.generation.prefill). With `prefix_rows`
 and `prefix_lengths` (int64 [B]) a program reads slots [0, prefix_lengths[b]) from row
 prefix_rows[b]'s cache instead of its own: the rows of a group read one copy, which their
-programs (adjacent in the grid, so running together) mostly find in L2, and HBM serves the
-prompt's K/V once per group instead of once per row. Slots from prefix_lengths[b] on, and the
-new token, are the row's own.
+programs (adjacent in the grid, so running together) can find in L2 instead of HBM (measured:
+decode 4% faster for 64 prompts x 8 rows, docs/benchmarks.md, issue 27, fifth step). Slots from
+prefix_lengths[b] on, and the new token, are the row's own.
 
 `gqa_decode_attention_reference` is the plain-torch twin (tests compare the two; on CPU the
 kernels run only in Triton's interpreter, see actors.kernels.switch). Lengths are not
