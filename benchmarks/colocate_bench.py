@@ -71,7 +71,6 @@ from actors.engine.optimizer import AdamWConfig
 from actors.engine.process_groups import ParallelGroups
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig
-from actors.generation.loop import generate
 from benchmarks.engine_bench import loss_fn, make_batch
 from benchmarks.generate_bench import build_random_model, mode_config
 from planning.layout import Layout
@@ -142,7 +141,7 @@ class Bench:
         self.engine.train_step(self.batch, loss_fn, n_micro=self.n_micro)
 
     def generate(self) -> None:
-        generate(self.gen_model, self.prompts, self.config)
+        generation_loop.generate(self.gen_model, self.prompts, self.config)
 
 
 @dataclass

@@ -84,10 +84,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.grpo_step:
         args.prompts, args.prompt_len, args.new_tokens, args.temperature = 512, 128, 512, 1.0
-        args.group = args.group or 8
+        args.group = 8 if args.group is None else args.group
         args.modes = args.modes or "graph,graph+compile"
     args.modes = args.modes or "eager,graph+sdpa,graph,graph+compile"
-    args.group = args.group or 1
+    args.group = 1 if args.group is None else args.group
     if args.tiny:
         args.preset, args.prompts, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
     return args

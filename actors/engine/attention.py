@@ -15,7 +15,6 @@ cache, attention over the cache with a length mask; static shapes, no host sync)
 
 from __future__ import annotations
 
-
 import functools
 import importlib.util
 import inspect

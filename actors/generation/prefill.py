@@ -37,16 +37,12 @@ def prefill(model: nn.Module, prompts: list[Tensor], tokens: Tensor, batch: Pack
     """Prefill `cache` with every row's prompt (`tokens` / `batch`: all rows packed, as
     `prepare_cache` made them); returns logits [B, V_local] of each row's last prompt token.
     Rows repeating a prompt object share its forward (module docstring)."""
-    sources = prompt_sources(prompts)
-    n_distinct = max(sources) + 1
-    if n_distinct == len(prompts):
+    # Distinct prompt objects in order of first appearance: `prompt_sources`' numbering.
+    distinct = list({id(prompt): prompt for prompt in prompts}.values())
+    if len(distinct) == len(prompts):
         return model(tokens, batch, cache, head_indices=batch.last_token_indices())
-    distinct: dict[int, Tensor] = {}
-    for prompt, source in zip(prompts, sources):
-        distinct.setdefault(source, prompt)
-    distinct_tokens, distinct_batch = pack_sequences([distinct[i].to(torch.int64) for i in range(n_distinct)],
-                                                     tokens.device)
-    source = torch.tensor(sources, dtype=torch.int64, device=tokens.device)
+    distinct_tokens, distinct_batch = pack_sequences([p.to(torch.int64) for p in distinct], tokens.device)
+    source = torch.tensor(prompt_sources(prompts), dtype=torch.int64, device=tokens.device)
     shared = SharedPrefill(cache, batch, distinct_batch, source)
     logits = model(distinct_tokens, distinct_batch, shared, head_indices=distinct_batch.last_token_indices())
     return logits[source]  # [U, V_local] -> [B, V_local]

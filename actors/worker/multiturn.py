@@ -59,11 +59,9 @@ def _samples(ctx: CallContext, inputs: Sequence[dict | None]) -> list[dict[str, 
 def shared_prompt_tensors(prompt_ids: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Each row's prompt as an int64 device tensor; rows with equal ids share one tensor, so that
     generation prefills that prompt once for them all (actors.generation.prefill)."""
-    distinct: dict[tuple[int, ...], torch.Tensor] = {}
-    for ids in prompt_ids:
-        if tuple(ids) not in distinct:
-            distinct[tuple(ids)] = torch.tensor(ids, dtype=torch.int64, device=device)
-    return [distinct[tuple(ids)] for ids in prompt_ids]
+    keys = [tuple(ids) for ids in prompt_ids]
+    distinct = {key: torch.tensor(key, dtype=torch.int64, device=device) for key in dict.fromkeys(keys)}
+    return [distinct[key] for key in keys]
 
 
 def _round(ctx: CallContext, samples: list[dict[str, Any]], part: range, env: dict[str, Any],
