@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, gloo)")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 8 prompts of 16 tokens, 16 new tokens")
     parser.add_argument("--profile", action="store_true",
-                        help="also print the top kernels of 16 decode steps of the last mode")
+                        help="also print the top kernels of one whole generate call of the last mode")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (full vocabulary)")
     parser.add_argument("--grpo-step", action="store_true",
                         help="peer_bench's generation: 512 prompts of 128 tokens, 512 new tokens, temperature 1")
@@ -180,7 +180,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[Benc
             r = results[-1]
             print(f"measured {mode}: {r.decode_tokens_per_s:,.0f} decode tok/s ({r.ratio:.1%} of roofline)", flush=True)
     if args.profile:
-        profile_short_run(model, prompts, groups, args.modes.split(",")[-1], args.temperature)
+        profile_call(model, prompts, groups, args.modes.split(",")[-1], args)
     if port is not None:
         dist.destroy_process_group()
     return results
@@ -201,40 +201,31 @@ def measure_mode(model: Transformer, prompts: list[torch.Tensor], mode: str, arg
     return BenchResult(mode, prefill_s, decode_s, rate, roofline)
 
 
-def profile_short_run(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
-                      mode: str, temperature: float = 0.0) -> None:
-    """Top kernels by device time over 16 decode steps + sampling of `mode` (after a warm-up that
-    compiles and captures), to see where a decode step's time goes."""
+def profile_call(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
+                 mode: str, args: argparse.Namespace) -> None:
+    """Top kernels and GPU time by kernel kind over one whole generate call of `mode` (already
+    warmed up by measure_mode), so every context length of the call is in the sample."""
     from torch.profiler import ProfilerActivity, profile
 
-    from actors.generation.decode_step import DecodeStep
-    from actors.generation.decoding import prepare_cache
-    from actors.generation.sampling import sample_tensor_parallel, step_uniforms
+    from benchmarks.engine_bench import kernel_category
 
-    config = mode_config(mode, 64, temperature)
-    config = GenerationConfig(**{**config.__dict__, "attend_bucket": 1 << 20})  # one bucket: one graph
-    tokens, batch, cache = prepare_cache(model, prompts, config, prompts[0].device)
-    tp_group = groups.tp_group if groups is not None else None
-    with torch.no_grad():
-        logits = model(tokens, batch, cache)[batch.last_token_indices()]
-        step = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
-
-        def one_step(logits: torch.Tensor) -> torch.Tensor:
-            uniforms = None if config.sampling.greedy else step_uniforms(0, 0, len(prompts), logits.device)
-            sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
-            return step(sampled.tokens)
-
-        for _ in range(3):
-            logits = one_step(logits)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts[0].is_cuda else [])
-        with profile(activities=activities) as prof:
-            for _ in range(16):
-                logits = one_step(logits)
-            if prompts[0].is_cuda:
-                torch.cuda.synchronize()
-    sort_by = "cuda_time_total" if prompts[0].is_cuda else "cpu_time_total"
-    print(f"profile of 16 decode steps, mode {mode}:")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70))
+    config = mode_config(mode, args.new_tokens, args.temperature)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts[0].is_cuda else [])
+    with profile(activities=activities) as prof:
+        timed_generate(model, prompts, config, groups)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    sort_by = "self_cuda_time_total" if prompts[0].is_cuda else "self_cpu_time_total"
+    print(f"profile of one generate call, mode {mode}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70), flush=True)
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA":  # kernels only: CPU ops repeat their kernels' time
+            kind = kernel_category(event.key)
+            totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total / 1e3
+    whole = sum(totals.values()) or 1.0
+    print(f"GPU kernel time by kind, generate {mode}: " + ", ".join(
+        f"{k} {v:.1f} ms ({v / whole:.0%})" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])), flush=True)
 
 
 def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:

@@ -20,6 +20,8 @@ generation loop raises it in buckets as sequences grow, so early steps do not re
 (each bucket gets its own CUDA graph). The "triton" kernel reads each sequence's own length from
 the device, so it ignores `attend_len` (one graph serves every step). The model calls `prefill` /
 `decode` exactly as on the base class; positions and lengths keep the base class's meaning.
+Shared prompts (set by actors.generation.prefill): with `prefix_groups` the "triton" path attends
+each group's queries to its prompt once (`prompt_partial`), then each row to its own slots.
 
 `FusedQKV` (set on the cache by the generation call as `cache.qkv`) holds each layer's
 concatenated [q; k; v] projection weights, so the model's decode steps run one GEMM per layer
@@ -47,9 +49,13 @@ from actors.engine import (
     pack_sequences,
     packed_attention,
 )
-from actors.kernels import gqa_decode_attention, kernel_supports_head_dim, triton_on, triton_runs
+from actors.kernels import (default_splits, gqa_decode_attention, kernel_supports_head_dim, prefix_partials,
+                            triton_on, triton_runs)
 
 DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
+# Query rows (group members x query heads per KV head) of one shared-prompt program at most:
+# the tile's float32 accumulator lives in registers.
+MAX_PREFIX_TILE = 64
 
 
 def resolve_decode_kernel(kernel: str, device: torch.device | str, head_dims: Iterable[int] = ()) -> str:
@@ -139,6 +145,9 @@ class HeadMajorKVCache(KVCache):
         # which holds the same prompt K/V, so a group of samples reads one copy. int64 [n_seqs].
         self.prefix_rows = self.rows.clone()
         self.prefix_lengths = torch.zeros(n_seqs, dtype=torch.int64, device=device)
+        # The rows of each group, int64 [G, R] (-1 pads short groups; set by SharedPrefill): with
+        # it the prompt's part of the attention runs once per (group, KV head) (cascade).
+        self.prefix_groups: Tensor | None = None
         # Additive attention masks [n_seqs, 1, 1, attend_len] (0 visible, -inf hidden) of the
         # current decode step, keyed by (dtype, sliding_window): every layer of a step shares
         # one; `advance` (end of each forward) and `reset` drop them.
@@ -167,6 +176,7 @@ class HeadMajorKVCache(KVCache):
         super().reset()
         self.step_masks.clear()
         self.prefix_lengths.zero_()
+        self.prefix_groups = None
 
     def advance(self, batch: PackedBatch) -> None:
         super().advance(batch)
@@ -205,6 +215,23 @@ class HeadMajorKVCache(KVCache):
         self.v[layer][seq, :, pos] = v.to(self.v[layer].dtype)
         return packed_attention(q, k, v, batch, backend, sliding_window, kv_index)
 
+    def prompt_partial(self, q: Tensor, cache_k: Tensor, cache_v: Tensor,
+                       sliding_window: int | None) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The shared prompts' partial attention (actors.kernels.prefix_attention) where it
+        applies: groups set, no sliding window (it may cut into the prompt), the unsplit decode
+        kernel (the split one reads the prompt slots itself), and a group's query rows fitting
+        one tile of MAX_PREFIX_TILE. None: the decode kernel reads the prompt from prefix_rows."""
+        groups = self.prefix_groups
+        if groups is None or sliding_window is not None:
+            return None
+        n_seqs, n_q, _ = q.shape
+        n_kv = cache_k.shape[1]
+        if groups.shape[1] * (n_q // n_kv) > MAX_PREFIX_TILE:
+            return None
+        if default_splits(n_seqs, n_kv, cache_k.shape[2], q.device) != 1:
+            return None
+        return prefix_partials(q, cache_k, cache_v, groups, self.prefix_lengths)
+
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sliding_window: int | None,
                kv_index: Tensor | None) -> Tensor:
         """Append one token per sequence (q [B, Hq, D], k/v [B, Hkv, D]) and attend over the
@@ -215,8 +242,10 @@ class HeadMajorKVCache(KVCache):
             # Writes K/V at slot lengths[b] and attends over [0, lengths[b]] in one kernel.
             # torch.compile traces through the launch (user-defined Triton kernels are supported),
             # so the compiled step keeps fusing the elementwise work around it.
+            partial = self.prompt_partial(q, cache_k, cache_v, sliding_window)
             return gqa_decode_attention(q, k, v, cache_k, cache_v, self.lengths, sliding_window,
-                                        prefix_rows=self.prefix_rows, prefix_lengths=self.prefix_lengths)
+                                        prefix_rows=self.prefix_rows, prefix_lengths=self.prefix_lengths,
+                                        prefix_partial=partial)
         cache_k[self.rows, :, self.lengths] = k.to(cache_k.dtype)
         cache_v[self.rows, :, self.lengths] = v.to(cache_v.dtype)
         keys, values = cache_k[:, :, : self.attend_len], cache_v[:, :, : self.attend_len]  # [B, Hkv, L, D]

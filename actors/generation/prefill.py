@@ -8,10 +8,11 @@ Rows that hold the same prompt tensor object as an earlier row (what a worker ha
 samples of one prompt; equal but separate tensors are prefilled separately) share one forward:
 `SharedPrefill` runs the model over the distinct prompts, writes each one's K/V into the cache
 rows of every row that repeats it, and the rows take their prompt's last-token logits. Every row
-keeps its own cache row (its appended tokens go there); the Triton decode attention reads the
-prompt's slots of every row from the group's first row (`HeadMajorKVCache.prefix_rows`), so
-the group's programs share one copy through L2. The samples differ through each row's own
-random draws.
+keeps its own cache row (its appended tokens go there). The Triton decode attention attends
+each group's queries to its prompt once (`HeadMajorKVCache.prefix_groups`: the rows of each
+prompt, in chunks that fit one tile; actors.kernels.prefix_attention), and otherwise reads the
+prompt's slots from the group's first row (`prefix_rows`), sharing one copy through L2. The
+samples differ through each row's own random draws.
 
     logits = prefill(model, prompts, tokens, batch, cache)   # [B, V_local], cache prefilled
 """
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from actors.engine import PackedBatch, pack_sequences, packed_attention
-from actors.generation.kv_cache import HeadMajorKVCache
+from actors.generation.kv_cache import MAX_PREFIX_TILE, HeadMajorKVCache
 
 
 def prompt_sources(prompts: list[Tensor]) -> list[int]:
@@ -75,6 +76,8 @@ class SharedPrefill:
         first_row = torch.full((distinct_batch.n_seqs,), len(source), dtype=torch.int64, device=source.device)
         first_row.scatter_reduce_(0, source, torch.arange(len(source), device=source.device), "amin")
         self.prefix_rows = first_row[source]
+        self.members = group_members(source.tolist())
+        self.query_group = 1  # query heads per KV head, seen in the first layer's prefill
 
     def fused_qkv(self, layer: int) -> None:
         return None  # the [q; k; v] concatenation serves decode steps only
@@ -82,6 +85,7 @@ class SharedPrefill:
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str,
                 sliding_window: int | None, kv_index: Tensor | None) -> Tensor:
         """q [T_u, Hq, D], k/v [T_u, Hkv, D] of the distinct prompts -> their attention output."""
+        self.query_group = max(self.query_group, q.shape[1] // k.shape[1])
         cache_k, cache_v = self.cache.k[layer], self.cache.v[layer]
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T_rows, Hkv, D].
         cache_k[self.seq, :, self.pos] = k[self.token_source].to(cache_k.dtype)
@@ -92,6 +96,29 @@ class SharedPrefill:
         self.cache.advance(self.rows_batch)  # every row's prompt length; the cache is now prefilled
         self.cache.prefix_rows.copy_(self.prefix_rows)  # in place: captured graphs read these buffers
         self.cache.prefix_lengths.copy_(self.cache.lengths)
+        self.cache.prefix_groups = group_table(self.members, MAX_PREFIX_TILE // self.query_group,
+                                               self.cache.lengths.device)
 
 
-__all__ = ["SharedPrefill", "prefill", "prompt_sources"]
+def group_members(source: list[int]) -> list[list[int]]:
+    """The rows of each prompt, in order of first appearance (`prompt_sources` numbering)."""
+    members: dict[int, list[int]] = {}
+    for row, prompt in enumerate(source):
+        members.setdefault(prompt, []).append(row)
+    return list(members.values())
+
+
+def group_table(members: list[list[int]], max_rows: int, device: torch.device) -> Tensor | None:
+    """HeadMajorKVCache.prefix_groups: int64 [G, R], each prompt's rows in chunks of at most
+    `max_rows` (a chunk reads the prompt from its own first row: every row holds a copy), -1
+    padding short chunks; None when no chunk has two rows (nothing to share). Every row is in
+    a chunk: the decode kernel then takes every row's prompt part from the table's partials."""
+    size = max(1, max_rows)
+    chunks = [rows[i:i + size] for rows in members for i in range(0, len(rows), size)]
+    if all(len(chunk) == 1 for chunk in chunks):
+        return None
+    width = max(len(chunk) for chunk in chunks)
+    return torch.tensor([chunk + [-1] * (width - len(chunk)) for chunk in chunks], dtype=torch.int64, device=device)
+
+
+__all__ = ["SharedPrefill", "group_members", "group_table", "prefill", "prompt_sources"]

@@ -3,6 +3,8 @@
 Imports nothing of actors/ but its own modules (the bottom layer).
   switch            when the kernels run: `triton_on(device)`, and Triton's interpreter for CPU tests
   decode_attention  one decode step's attention: append K/V, attend over each sequence's length
+  prefix_attention  a shared prompt's part of that attention, once per group of rows
+  online_softmax    the block loop and merge those kernels share (Triton device functions)
   fused_logprobs    token log-probabilities over (vocab-parallel) logits in one pass per row
   fused_sampling    greedy and untruncated temperature sampling of one token per row
   segment_copy      many strided 2-D copies in one launch (reallocation packing and unpacking)
@@ -10,9 +12,10 @@ Imports nothing of actors/ but its own modules (the bottom layer).
 
 from __future__ import annotations
 
-from actors.kernels.decode_attention import gqa_decode_attention, kernel_supports_head_dim
+from actors.kernels.decode_attention import default_splits, gqa_decode_attention, kernel_supports_head_dim
 from actors.kernels.fused_logprobs import logprob_grad, logprob_row_stats
 from actors.kernels.fused_sampling import sample_rows, sample_rows_reference
+from actors.kernels.prefix_attention import prefix_partials
 from actors.kernels.segment_copy import (
     PROGRAMS,
     Copy2D,
@@ -28,11 +31,13 @@ __all__ = [
     # switch.py
     "triton_on", "triton_runs",
     # decode_attention.py
-    "gqa_decode_attention", "kernel_supports_head_dim",
+    "default_splits", "gqa_decode_attention", "kernel_supports_head_dim",
     # fused_logprobs.py
     "logprob_grad", "logprob_row_stats",
     # fused_sampling.py
     "sample_rows", "sample_rows_reference",
+    # prefix_attention.py
+    "prefix_partials",
     # segment_copy.py
     "Copy2D", "CopyTable", "PROGRAMS", "bases_aligned", "launch_copies", "resolve_fields", "source_deltas",
 ]

@@ -32,9 +32,10 @@ Shared prompts: rows sampled from one prompt hold equal K/V in their first slots
 prefill copies one forward's K/V into every row, actors.generation.prefill). With `prefix_rows`
 and `prefix_lengths` (int64 [B]) a program reads slots [0, prefix_lengths[b]) from row
 prefix_rows[b]'s cache instead of its own: the rows of a group read one copy, which their
-programs (adjacent in the grid, so running together) can find in L2 instead of HBM (measured:
-decode 4% faster for 64 prompts x 8 rows, docs/benchmarks.md, issue 27, fifth step). Slots from
-prefix_lengths[b] on, and the new token, are the row's own.
+programs (adjacent in the grid, so running together) can find in L2 instead of HBM. Slots from
+prefix_lengths[b] on, and the new token, are the row's own. Better still, `prefix_partial`
+gives the unsplit kernel those slots' partial softmax, computed once per group by
+actors.kernels.prefix_attention (PREFIX_DONE): it then reads only the row's own slots.
 
 `gqa_decode_attention_reference` is the plain-torch twin (tests compare the two; on CPU the
 kernels run only in Triton's interpreter, see actors.kernels.switch). Lengths are not
@@ -61,53 +62,23 @@ if triton_installed():
     import triton
     import triton.language as tl
 
-    # Block size and launch shape are tuned once per (group, head_dim) on first use (CUDA): the
-    # best choice moves with the GPU. Re-running a config is harmless (it rewrites the same slot).
+    from actors.kernels.online_softmax import attend_blocks, merge_prefix
+
+    # Block size and launch shape are tuned on first use (CUDA; the key is below). Re-running a
+    # config is harmless (it rewrites the same slot).
     _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                 for n, w, st in ((32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (64, 2, 3))]
     # Split chunks are multiples of the largest block, hence of every tuned block size.
     _TUNED_CHUNK_ALIGN = max(c.kwargs["BLOCK_N"] for c in _CONFIGS)
 
     @triton.jit
-    def _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl, lo, hi, scale,
-                       HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Online softmax of the rows q [GROUP_PAD, D] over cache slots [lo, hi), carrying the running
-        max m_i and normaliser l_i [GROUP_PAD] and the accumulator acc [GROUP_PAD, D] (float32).
-        Every visited block holds slot `start` < hi, so each row's block max is finite and m_new is
-        too: exp(m_i - m_new) is exp(-inf) = 0, never NaN, when m_i starts at -inf (empty split)."""
-        dims = tl.arange(0, HEAD_DIM)
-        for start in range(lo, hi, BLOCK_N):
-            slots = start + tl.arange(0, BLOCK_N)
-            slot_ok = slots < hi
-            offs = cache + slots[:, None] * stride_cl + dims[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q.to(k.dtype), tl.trans(k))
-            # Every product with `scale` is cast back: under torch.compile a float argument may
-            # arrive as a float64 scalar, which would promote the loop-carried values.
-            s = tl.where(slot_ok[None, :], (s * scale).to(tl.float32), float("-inf"))  # [GROUP_PAD, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
     def _gqa_decode_kernel(
-        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, prefix_rows_ptr, prefix_lengths_ptr, out_ptr,
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, lengths_ptr, prefix_rows_ptr, prefix_lengths_ptr,
+        m_pre_ptr, l_pre_ptr, acc_pre_ptr, out_ptr,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ch, stride_cl,
         stride_ob, stride_oh, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-        SLOTS_CLASS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SLOTS_CLASS: tl.constexpr, PREFIX_DONE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -132,11 +103,16 @@ if triton_installed():
         lo = tl.maximum(length - window + 1, 0)  # no window: window is 2**30, so lo = 0
         # The shared prompt's slots from the row holding it, then the row's own slots.
         prefix = tl.minimum(tl.load(prefix_lengths_ptr + b).to(tl.int32), length)
-        shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
-                                       scale, HEAD_DIM, IEEE, BLOCK_N)
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
-                                       tl.maximum(lo, prefix), length, scale, HEAD_DIM, IEEE, BLOCK_N)
+        if PREFIX_DONE:  # the shared slots' partial softmax is given (actors.kernels.prefix_attention)
+            m_i, l_i, acc = merge_prefix(m_i, l_i, acc, m_pre_ptr, l_pre_ptr, acc_pre_ptr,
+                                         (b * tl.num_programs(1) + h) * GROUP + rows, row_ok & (rows * 0 + prefix > 0),
+                                         HEAD_DIM)
+        else:
+            shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
+            m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
+                                          scale, HEAD_DIM, IEEE, BLOCK_N)
+        m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
+                                      tl.maximum(lo, prefix), length, scale, HEAD_DIM, IEEE, BLOCK_N)
         out = acc / l_i[:, None]
         out_rows = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + dims[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -178,9 +154,9 @@ if triton_installed():
         hi = tl.minimum(length, (split + 1) * chunk)
         prefix = tl.minimum(tl.load(prefix_lengths_ptr + b).to(tl.int32), hi)
         shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
+        m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
                                        scale, HEAD_DIM, IEEE, BLOCK_N)
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
+        m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
                                        tl.maximum(lo, prefix), hi, scale, HEAD_DIM, IEEE, BLOCK_N)
         part = ((b * tl.num_programs(1) + h) * GROUP + rows) * n_splits + split  # [GROUP_PAD]
         tl.store(m_ptr + part, m_i, mask=row_ok)
@@ -209,6 +185,12 @@ if triton_installed():
     # re-tunes only when it doubles, and the first shape's choice no longer serves every later one.
     _TUNE_KEY = ["GROUP", "HEAD_DIM", "SLOTS_CLASS"]
     _gqa_decode_tuned = triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)(_gqa_decode_kernel)
+    # After a prefix partial the first call (a generation's first step, at the prompt's length)
+    # reads no slots of its own, so tuning there picks by noise: the candidates are the ones
+    # within 2.5% of the best across the peer bench's lengths (benchmarks/prefix_attention_bench.py).
+    _AFTER_PREFIX_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=2, num_stages=st)
+                             for n, st in ((32, 3), (32, 4), (64, 2), (64, 3))]
+    _gqa_decode_after_prefix_tuned = triton.autotune(configs=_AFTER_PREFIX_CONFIGS, key=_TUNE_KEY)(_gqa_decode_kernel)
     _gqa_decode_split_tuned = triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)(_gqa_decode_split_kernel)
 
 
@@ -235,6 +217,12 @@ def decode_splits(n_seqs: int, n_kv: int, capacity: int, n_sms: int) -> int:
     return splits
 
 
+def default_splits(n_seqs: int, n_kv: int, capacity: int, device: torch.device) -> int:
+    """The split count `gqa_decode_attention` takes on `device` when given neither splits nor
+    block_n: `decode_splits` with the GPU's multiprocessor count on CUDA, else 1."""
+    return decode_splits(n_seqs, n_kv, capacity, _sm_count(device)) if device.type == "cuda" else 1
+
+
 def _sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device, cached (a plain dict: torch.compile traces it quietly)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -259,14 +247,19 @@ def _check_shapes(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_ca
 def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                          lengths: Tensor, sliding_window: int | None = None, block_n: int | None = None,
                          splits: int | None = None, prefix_rows: Tensor | None = None,
-                         prefix_lengths: Tensor | None = None) -> Tensor:
+                         prefix_lengths: Tensor | None = None,
+                         prefix_partial: tuple[Tensor, Tensor, Tensor] | None = None,
+                         launch: dict[str, int] | None = None) -> Tensor:
     """Write k_new/v_new at slot lengths[b] of the caches and attend; returns [B, Hq, D] in q's
     dtype (shapes in the module docstring). Runs the Triton kernels (CUDA, or CPU under the
     interpreter); head_dim must be a power of two >= 16 and every cache must have room.
     block_n: cache slots per loop step; None autotunes on CUDA (64 in the interpreter).
     splits: programs per (sequence, KV head), 1 for the unsplit kernel; None: `decode_splits` of
     the shape on CUDA when autotuning, else 1. prefix_rows / prefix_lengths: int64 [B], the row
-    whose cache slots [0, prefix_lengths[b]) row b reads (shared prompts; None: its own)."""
+    whose cache slots [0, prefix_lengths[b]) row b reads (shared prompts; None: its own).
+    prefix_partial: (m, l, acc) of those slots from actors.kernels.prefix_attention, which the
+    unsplit kernel then starts from instead of reading them (the split kernel reads them itself).
+    launch: num_warps / num_stages for an untuned launch (benchmarks' config sweeps)."""
     _check_shapes(q, k_new, v_new, k_cache, v_cache, lengths)
     prefix_rows, prefix_lengths = _prefix_args(q.shape[0], lengths, prefix_rows, prefix_lengths)
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
@@ -281,7 +274,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
         raise ValueError("gqa_decode_attention: the K/V caches need the same strides and a unit last stride")
     tuned = block_n is None and q.device.type == "cuda"
     if splits is None:
-        splits = decode_splits(n_seqs, n_kv, k_cache.shape[2], _sm_count(q.device)) if tuned else 1
+        splits = default_splits(n_seqs, n_kv, k_cache.shape[2], q.device) if tuned else 1
     out = torch.empty(n_seqs, n_q, head_dim, dtype=q.dtype, device=q.device)
     inputs = (q, k_new, v_new, k_cache, v_cache, lengths, prefix_rows, prefix_lengths)
     strides = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -292,11 +285,15 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
     scale, window = head_dim**-0.5, sliding_window or 2**30
     if splits > 1:
         _split_decode(inputs, strides, out, scale, window, splits, block_n, tuned, meta)
-    elif tuned:
-        _gqa_decode_tuned[(n_seqs, n_kv)](*inputs, out, *strides, out.stride(0), out.stride(1), scale, window, **meta)
+        return out
+    meta["PREFIX_DONE"] = prefix_partial is not None
+    partial = prefix_partial if prefix_partial is not None else (lengths, lengths, lengths)  # unread when not done
+    if tuned:
+        tuner = _gqa_decode_tuned if prefix_partial is None else _gqa_decode_after_prefix_tuned
+        tuner[(n_seqs, n_kv)](*inputs, *partial, out, *strides, out.stride(0), out.stride(1), scale, window, **meta)
     else:
-        _gqa_decode_kernel[(n_seqs, n_kv)](*inputs, out, *strides, out.stride(0), out.stride(1), scale, window,
-                                           **meta, BLOCK_N=block_n or 64)
+        _gqa_decode_kernel[(n_seqs, n_kv)](*inputs, *partial, out, *strides, out.stride(0), out.stride(1), scale,
+                                           window, **meta, BLOCK_N=block_n or 64, **(launch or {}))
     return out
 
 
@@ -365,4 +362,7 @@ def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_ca
     return out.reshape(n_seqs, n_q, head_dim).to(q.dtype)
 
 
-__all__ = ["decode_splits", "gqa_decode_attention", "gqa_decode_attention_reference", "kernel_supports_head_dim"]
+__all__ = [
+    "decode_splits", "default_splits", "gqa_decode_attention", "gqa_decode_attention_reference",
+    "kernel_supports_head_dim",
+]

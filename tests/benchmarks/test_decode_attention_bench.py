@@ -5,31 +5,21 @@ CUDA it runs the same tiny cases on the GPU (--tiny; bf16)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.unit
+from tests.benchmarks.kernel_bench_run import run_tiny  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
 
 
 def test_cpu_tiny_mode_prints_the_table() -> None:
     from benchmarks.decode_attention_bench import SPLITS, TINY_CASES
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cuda = torch.cuda.is_available()
-    mode = ["--tiny"] if cuda else ["--cpu", "--tiny"]
-    done = subprocess.run([sys.executable, "benchmarks/decode_attention_bench.py", *mode], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = run_tiny("decode_attention_bench.py")
     header = next(i for i, line in enumerate(lines) if line.startswith("case"))
     assert lines[header].split()[-8:] == ["splits", "us/call", "GB/s", "of", "peak", "auto", "max", "err"]
     rows = [line.rsplit(maxsplit=6) for line in lines[header + 1:]]

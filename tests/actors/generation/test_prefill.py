@@ -12,7 +12,7 @@ from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
 from actors.generation.multiturn import generate_turns
-from actors.generation.prefill import prefill, prompt_sources
+from actors.generation.prefill import group_members, group_table, prefill, prompt_sources
 from actors.generation.sampling import SamplingParams
 from actors.worker.multiturn import shared_prompt_tensors
 from tests.actors.generation.test_generate import BASE, build_hf, ours_from_hf, random_prompts
@@ -30,6 +30,15 @@ def grouped(distinct: list[torch.Tensor], group: int) -> list[torch.Tensor]:
 def test_prompt_sources_number_distinct_objects_in_order() -> None:
     a, b, c = torch.tensor([1]), torch.tensor([1]), torch.tensor([2])
     assert prompt_sources([a, a, b, c, b, a]) == [0, 0, 1, 2, 1, 0]  # equal values, separate objects: separate
+
+
+def test_group_table_chunks_each_prompt_and_pads() -> None:
+    members = group_members([0, 1, 0, 2, 0, 1, 0, 0])  # prompt 0 in five rows, 1 in two, 2 alone
+    assert members == [[0, 2, 4, 6, 7], [1, 5], [3]]
+    table = group_table(members, 3, torch.device("cpu"))  # chunks of <= 3 rows: every row in one
+    assert table.tolist() == [[0, 2, 4], [6, 7, -1], [1, 5, -1], [3, -1, -1]]
+    assert group_table([[0], [1]], 3, torch.device("cpu")) is None  # nothing shared
+    assert group_table(members, 0, torch.device("cpu")) is None  # a tile too small for two rows: no sharing
 
 
 def count_embedded_tokens(model: torch.nn.Module) -> list[int]:
@@ -60,6 +69,8 @@ def test_shared_prefill_fills_the_cache_a_full_prefill_fills(family: str) -> Non
     assert shared.prefix_rows.tolist() == [0, 0, 0, 3, 3, 3, 6, 6, 6]
     assert shared.prefix_lengths.tolist() == [5, 5, 5, 9, 9, 9, 1, 1, 1]
     assert full.prefix_rows.tolist() == list(range(9)) and not full.prefix_lengths.any()
+    # The groups' table for the prompt part computed once per group (cascade); none without sharing.
+    assert shared.prefix_groups.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and full.prefix_groups is None
     for layer in full.k:
         torch.testing.assert_close(shared.k[layer], full.k[layer], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(shared.v[layer], full.v[layer], rtol=1e-5, atol=1e-5)
