@@ -124,7 +124,17 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
             "mem_gib": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
         print(f"measured tp={world}: train {train_s:.3f} s/step, forward {fwd_s:.3f} s/step, "
-              f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB", flush=True)
+              f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB{gqa_note()}", flush=True)
+
+
+def gqa_note() -> str:
+    """How the packed attention takes GQA on this GPU's torch (", varlen GQA native|repeated")."""
+    from actors.engine.attention import _varlen_takes_gqa, varlen_attn_available, varlen_native_gqa
+
+    if not torch.cuda.is_available() or not varlen_attn_available():
+        return ""
+    native = _varlen_takes_gqa() or varlen_native_gqa(torch.cuda.current_device())
+    return f", varlen GQA {'native' if native else 'repeated K/V'}"
 
 
 def print_profile(step: Callable[[], object], title: str, show: bool) -> None:

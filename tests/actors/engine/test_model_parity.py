@@ -309,3 +309,26 @@ def test_cuda_kernel_window_convention(sliding_window: int | None) -> None:
     if sliding_window is not None:
         wider = packed_attention(q.float(), k.float(), v.float(), batch, "sdpa", sliding_window + 1)
         assert (kernel - wider).abs().max().item() > 0.1
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_gqa_gradients_match_sdpa() -> None:
+    """varlen_attn with fewer KV heads than query heads (native GQA where this torch takes it,
+    `varlen_native_gqa`; else repeated K/V): output and the gradients of q, k and v against the
+    float32 SDPA path."""
+    from actors.engine.attention import packed_attention, varlen_attn_available, varlen_native_gqa
+
+    if not varlen_attn_available():
+        pytest.skip("torch.nn.attention.varlen not installed")
+    print(f"varlen native GQA on this torch ({torch.__version__}): {varlen_native_gqa(0)}")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batch = PackedBatch.from_lengths([9, 40, 3, 17], device="cuda")
+    inputs = [torch.randn(batch.n_tokens, heads, 64, device="cuda", generator=gen) for heads in (8, 2, 2)]
+    results = {}
+    for backend, dtype in (("varlen", torch.bfloat16), ("sdpa", torch.float32)):
+        q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+        out = packed_attention(q, k, v, batch, backend)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        results[backend] = [out.float(), *(g.float() for g in grads)]
+    for got, exact in zip(results["varlen"], results["sdpa"], strict=True):
+        assert_rel_close(got, exact, rel=3e-2)
