@@ -14,9 +14,10 @@ cache of 640 slots; lengths 128 + 16 .. 639 (the decode's steps, sampled at LENG
            32 query rows to the prompt once, then the decode kernel reads only the row's own slots
 Configs: "tuned@first" autotunes on the first call (at the first of LENGTHS; a generation call
 tunes at its first step, at the prompt's length) and keeps that choice; "tuned@L" re-tunes at
-every length; "(n,w,s)" is a fixed BLOCK_N, num_warps, num_stages (--sweep). Each time is one call inside a CUDA graph of --reps calls that
-rotate over cache copies (>= 256 MB, beyond an H200's L2), averaged over the lengths; "ms/call"
-times 16 layers x 511 steps gives the attention's part of a generation call.
+every length; "(n,w,s)" is a fixed BLOCK_N, num_warps, num_stages (--sweep). Each time is one
+call inside a CUDA graph of --reps calls that rotate over cache copies (>= 256 MB, beyond an
+H200's L2), averaged over the lengths; "s/call (16x511)" is that times 16 layers x 511 steps,
+the attention's part of a generation call.
 """
 
 from __future__ import annotations

@@ -155,9 +155,9 @@ if triton_installed():
         prefix = tl.minimum(tl.load(prefix_lengths_ptr + b).to(tl.int32), hi)
         shared = tl.load(prefix_rows_ptr + b) * stride_cb + h * stride_ch  # int64: rows * stride may pass 2**31
         m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, shared, stride_cl, lo, prefix,
-                                       scale, HEAD_DIM, IEEE, BLOCK_N)
+                                      scale, HEAD_DIM, IEEE, BLOCK_N)
         m_i, l_i, acc = attend_blocks(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, cache, stride_cl,
-                                       tl.maximum(lo, prefix), hi, scale, HEAD_DIM, IEEE, BLOCK_N)
+                                      tl.maximum(lo, prefix), hi, scale, HEAD_DIM, IEEE, BLOCK_N)
         part = ((b * tl.num_programs(1) + h) * GROUP + rows) * n_splits + split  # [GROUP_PAD]
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
@@ -261,6 +261,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
     unsplit kernel then starts from instead of reading them (the split kernel reads them itself).
     launch: num_warps / num_stages for an untuned launch (benchmarks' config sweeps)."""
     _check_shapes(q, k_new, v_new, k_cache, v_cache, lengths)
+    _check_partial(q, prefix_partial, prefix_lengths, sliding_window)
     prefix_rows, prefix_lengths = _prefix_args(q.shape[0], lengths, prefix_rows, prefix_lengths)
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits={splits!r}: must be a positive integer, or None to choose from the shape")
@@ -295,6 +296,24 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
         _gqa_decode_kernel[(n_seqs, n_kv)](*inputs, *partial, out, *strides, out.stride(0), out.stride(1), scale,
                                            window, **meta, BLOCK_N=block_n or 64, **(launch or {}))
     return out
+
+
+def _check_partial(q: Tensor, partial: tuple[Tensor, Tensor, Tensor] | None, prefix_lengths: Tensor | None,
+                   sliding_window: int | None) -> None:
+    """A prefix partial needs the prefix lengths (which rows use it), no window (it covers the
+    whole prompt) and float32 contiguous m, l [B, Hq] and acc [B, Hq, D]."""
+    if partial is None:
+        return
+    if prefix_lengths is None or sliding_window is not None:
+        raise ValueError("prefix_partial: needs prefix_lengths and no sliding_window "
+                         f"(got prefix_lengths={'set' if prefix_lengths is not None else None}, "
+                         f"sliding_window={sliding_window})")
+    shapes = (q.shape[:2], q.shape[:2], q.shape)
+    if any(t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous()
+           for t, shape in zip(partial, shapes, strict=True)):
+        raise ValueError(f"prefix_partial: m, l, acc must be contiguous float32 {list(q.shape[:2])}, "
+                         f"{list(q.shape[:2])}, {list(q.shape)}; got "
+                         + ", ".join(f"{t.dtype} {list(t.shape)}" for t in partial))
 
 
 def _prefix_args(n_seqs: int, lengths: Tensor, prefix_rows: Tensor | None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from actors.kernels.decode_attention import kernel_supports_head_dim
 from actors.kernels.switch import triton_installed
 
 if triton_installed():
@@ -75,6 +76,13 @@ def prefix_partials(q: Tensor, k_cache: Tensor, v_cache: Tensor, group_rows: Ten
     n_kv = k_cache.shape[1]
     if group_rows.dim() != 2 or group_rows.dtype != torch.int64:
         raise ValueError(f"group_rows: {tuple(group_rows.shape)} {group_rows.dtype}; expected int64 [G, R]")
+    if (k_cache.dim() != 4 or k_cache.shape[0] != n_seqs or k_cache.shape[3] != head_dim
+            or v_cache.shape != k_cache.shape or n_q % n_kv or prefix_lengths.shape != (n_seqs,)):
+        raise ValueError(f"prefix_partials: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}, prefix_lengths {tuple(prefix_lengths.shape)}; expected [B, Hq, D], [B, Hkv, L, D] with "
+                         "Hq a multiple of Hkv, and [B]")
+    if not kernel_supports_head_dim(head_dim):
+        raise ValueError(f"head_dim={head_dim}: the Triton kernels need a power of two >= 16")
     if q.stride(2) != 1:
         q = q.contiguous()
     group = n_q // n_kv

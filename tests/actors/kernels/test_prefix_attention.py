@@ -70,3 +70,18 @@ def test_prefix_partials_reject_bad_group_rows() -> None:
         prefix_partials(q, k_cache, v_cache, group_rows[0], prefix_lengths)
     with pytest.raises(ValueError, match="group_rows"):
         prefix_partials(q, k_cache, v_cache, group_rows.to(torch.int32), prefix_lengths)
+
+
+def test_decode_refuses_a_partial_it_cannot_use() -> None:
+    q, k_new, v_new, k_cache, v_cache, lengths, prefix_rows, prefix_lengths, group_rows = grouped_case()
+    partial = prefix_partials(q, k_cache, v_cache, group_rows, prefix_lengths, block_n=16)
+    with pytest.raises(ValueError, match="needs prefix_lengths and no sliding_window"):
+        gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, block_n=16, prefix_partial=partial)
+    with pytest.raises(ValueError, match="needs prefix_lengths and no sliding_window"):
+        gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, 4, block_n=16, prefix_rows=prefix_rows,
+                             prefix_lengths=prefix_lengths, prefix_partial=partial)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, block_n=16, prefix_rows=prefix_rows,
+                             prefix_lengths=prefix_lengths, prefix_partial=(partial[0], partial[1], partial[2][:, :2]))
+    with pytest.raises(ValueError, match="prefix_partials"):
+        prefix_partials(q, k_cache[:, :, :, :8], v_cache[:, :, :, :8], group_rows, prefix_lengths)
