@@ -128,13 +128,12 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
 
 
 def gqa_note() -> str:
-    """How the packed attention takes GQA on this GPU's torch (", varlen GQA native|repeated")."""
-    from actors.engine.attention import _varlen_takes_gqa, varlen_attn_available, varlen_native_gqa
+    """How the packed attention takes GQA on this GPU's torch (", varlen GQA <mode>")."""
+    from actors.engine.attention import varlen_attn_available, varlen_gqa_mode
 
     if not torch.cuda.is_available() or not varlen_attn_available():
         return ""
-    native = _varlen_takes_gqa() or varlen_native_gqa(torch.cuda.current_device())
-    return f", varlen GQA {'native' if native else 'repeated K/V'}"
+    return f", varlen GQA {varlen_gqa_mode(torch.device('cuda'))}"
 
 
 def print_profile(step: Callable[[], object], title: str, show: bool) -> None:
@@ -150,12 +149,17 @@ def print_profile(step: Callable[[], object], title: str, show: bool) -> None:
         return
     print(f"profile of one {title}:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print_time_by_kind(prof, title)
+
+
+def print_time_by_kind(prof: torch.profiler.profile, title: str) -> None:
+    """One line: the profiled CUDA kernels' self time summed by `kernel_category`, largest first."""
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         if event.device_type.name == "CUDA":  # kernels only: CPU ops repeat their kernels' time
             kind = kernel_category(event.key)
             totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total / 1e3
-    whole = sum(totals.values())
+    whole = sum(totals.values()) or 1.0
     print(f"GPU kernel time by kind, {title}: " + ", ".join(
         f"{k} {v:.1f} ms ({v / whole:.0%})" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])), flush=True)
 

@@ -207,7 +207,7 @@ def profile_call(model: Transformer, prompts: list[torch.Tensor], groups: Parall
     warmed up by measure_mode), so every context length of the call is in the sample."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.engine_bench import kernel_category
+    from benchmarks.engine_bench import print_time_by_kind
 
     config = mode_config(mode, args.new_tokens, args.temperature)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts[0].is_cuda else [])
@@ -218,14 +218,7 @@ def profile_call(model: Transformer, prompts: list[torch.Tensor], groups: Parall
     sort_by = "self_cuda_time_total" if prompts[0].is_cuda else "self_cpu_time_total"
     print(f"profile of one generate call, mode {mode}:")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70), flush=True)
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_type.name == "CUDA":  # kernels only: CPU ops repeat their kernels' time
-            kind = kernel_category(event.key)
-            totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total / 1e3
-    whole = sum(totals.values()) or 1.0
-    print(f"GPU kernel time by kind, generate {mode}: " + ", ".join(
-        f"{k} {v:.1f} ms ({v / whole:.0%})" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])), flush=True)
+    print_time_by_kind(prof, f"generate {mode}")
 
 
 def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:

@@ -72,6 +72,28 @@ def varlen_native_gqa(device_index: int) -> bool:
                for a, b in zip((native, *grads), (repeated, *expected), strict=True))
 
 
+def varlen_gqa_mode(device: torch.device) -> str:
+    """How varlen_attn takes fewer KV heads than query heads on `device`: "enable_gqa" (torch >=
+    2.12), "native" (as they are, `varlen_native_gqa`) or "repeat" (each KV head repeated)."""
+    if _varlen_takes_gqa():
+        return "enable_gqa"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "native" if varlen_native_gqa(index) else "repeat"
+
+
+def _varlen_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict[str, bool]]:
+    """K/V [T, Hkv, D] for varlen_attn with q's heads, and its extra arguments: as they are when
+    the heads match or the kernel takes GQA (`varlen_gqa_mode`), else each KV head repeated for
+    its query heads ([T, Hq, D], Hq / Hkv x the bytes)."""
+    if k.shape[1] == q.shape[1]:
+        return k, v, {}
+    mode = varlen_gqa_mode(q.device)
+    if mode != "repeat":
+        return k, v, {"enable_gqa": True} if mode == "enable_gqa" else {}
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """Concrete backend for `backend` ("auto" or a forced name) on this device and dtype."""
     if backend not in BACKENDS:
@@ -141,14 +163,7 @@ def packed_attention(
 
         # (left, 0) is causal attention limited to `left` earlier keys; (-1, 0) is plain causal.
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
-        gqa: dict[str, bool] = {}
-        if k.shape[1] != q.shape[1]:
-            if _varlen_takes_gqa():
-                gqa["enable_gqa"] = True
-            elif not varlen_native_gqa(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-                # torch < 2.12 refusing GQA: repeat each KV head for its query heads ([T, Hkv, D] -> [T, Hq, D])
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        k, v, gqa = _varlen_kv(q, k, v)
         return varlen_attn(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
             scale=scale, window_size=window, **gqa,
@@ -161,20 +176,6 @@ def packed_attention(
         attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
-
-
-def _flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float,
-               window: tuple[int, int]) -> Tensor | None:
-    """torch < 2.12, whose varlen_attn has no enable_gqa: FlashAttention's varlen kernel (the op
-    varlen_attn wraps) takes fewer KV heads than query heads itself, without repeating K/V in
-    memory. None when this build's op refuses (the caller repeats K/V then)."""
-    try:
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
-            window_size_left=window[0] if window[0] >= 0 else None, window_size_right=window[1])
-    except (RuntimeError, TypeError):
-        return None
-    return out[0]
 
 
 def attention_over_history(
@@ -194,17 +195,7 @@ def attention_over_history(
         from torch.nn.attention.varlen import varlen_attn
 
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
-        gqa: dict[str, bool] = {}
-        if k.shape[1] != q.shape[1]:
-            if _varlen_takes_gqa():
-                gqa["enable_gqa"] = True
-            else:
-                out = _flash_gqa(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
-                if out is not None:
-                    return out
-                # No native GQA here: repeat each KV head for its query heads (H_q / H_kv x the bytes).
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        k, v, gqa = _varlen_kv(q, k, v)
         return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **gqa)
     # Mask [T_q, T_k]: same sequence, key position <= query position (positions from each end).
     seq_q = torch.searchsorted(cu_q[1:].contiguous(), torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype),

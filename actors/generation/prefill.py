@@ -43,10 +43,9 @@ def prefill(model: nn.Module, prompts: list[Tensor], tokens: Tensor, batch: Pack
     if len(distinct) == len(prompts):
         return model(tokens, batch, cache, head_indices=batch.last_token_indices())
     distinct_tokens, distinct_batch = pack_sequences([p.to(torch.int64) for p in distinct], tokens.device)
-    source = torch.tensor(prompt_sources(prompts), dtype=torch.int64, device=tokens.device)
-    shared = SharedPrefill(cache, batch, distinct_batch, source)
+    shared = SharedPrefill(cache, batch, distinct_batch, prompt_sources(prompts))
     logits = model(distinct_tokens, distinct_batch, shared, head_indices=distinct_batch.last_token_indices())
-    return logits[source]  # [U, V_local] -> [B, V_local]
+    return logits[shared.source]  # [U, V_local] -> [B, V_local]
 
 
 class SharedPrefill:
@@ -54,29 +53,30 @@ class SharedPrefill:
     a cache before its prefill: it calls `prefill` per layer, then `advance`).
 
     rows_batch: every row's prompt, packed (B sequences); distinct_batch: the distinct prompts
-    (U sequences), what the forward runs over; source: int64 [B], row b's prompt in it.
+    (U sequences), what the forward runs over; sources: row b's prompt in it (`prompt_sources`).
     """
 
     prefilled = False
 
     def __init__(self, cache: HeadMajorKVCache, rows_batch: PackedBatch, distinct_batch: PackedBatch,
-                 source: Tensor) -> None:
+                 sources: list[int]) -> None:
         if rows_batch.n_seqs != cache.n_seqs:
             raise ValueError(f"prefill: batch has {rows_batch.n_seqs} sequences, cache holds {cache.n_seqs}")
         if rows_batch.max_seqlen > cache.max_len:
             raise ValueError(f"prefill: prompt of {rows_batch.max_seqlen} tokens exceeds cache max_len={cache.max_len}")
         self.cache, self.rows_batch = cache, rows_batch
+        device = cache.lengths.device
+        self.source = torch.tensor(sources, dtype=torch.int64, device=device)  # int64 [B]
         # Cache row and slot of every row token, and the distinct token it copies: the start of
         # its row's prompt in the distinct packing plus its position. All int64 [T_rows].
         self.seq, self.pos = rows_batch.seq_ids(), rows_batch.positions
         starts = distinct_batch.cu_seqlens[:-1].to(torch.int64)
-        self.token_source = starts[source][self.seq] + self.pos
-        # The first row of each prompt holds the copy its group's decode attention reads
+        self.token_source = starts[self.source][self.seq] + self.pos
+        # Each prompt's rows; its first row holds the copy the group's decode attention reads
         # (HeadMajorKVCache.prefix_rows): int64 [B].
-        first_row = torch.full((distinct_batch.n_seqs,), len(source), dtype=torch.int64, device=source.device)
-        first_row.scatter_reduce_(0, source, torch.arange(len(source), device=source.device), "amin")
-        self.prefix_rows = first_row[source]
-        self.members = group_members(source.tolist())
+        self.members = group_members(sources)
+        first_row = [rows[0] for rows in self.members]
+        self.prefix_rows = torch.tensor([first_row[prompt] for prompt in sources], dtype=torch.int64, device=device)
         self.query_group = 1  # query heads per KV head, seen in the first layer's prefill
 
     def fused_qkv(self, layer: int) -> None:
