@@ -17,7 +17,9 @@ head_dim per layer (QK^T and AV, halved for causality, with s the sequence lengt
     python3 benchmarks/engine_bench.py --grpo-step --tp 1 --profile
         # exactly the training call of benchmarks/peer_bench.py (issue 13): 512 sequences of
         # 128 + 512 tokens in one optimizer step, 16 micro-batches of 32 sequences (20,480
-        # tokens), on one GPU; the target is >= 60% MFU, and --profile says where the rest goes
+        # tokens), on one GPU; the target is >= 60% MFU, and --profile says where the rest goes.
+        # Each micro-batch holds its 4 prompts once (--no-shared-prompts: every row whole); MFU
+        # counts the FLOPs the engine runs, tokens/s the rows' tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from actors.engine.model import set_elementwise_fusion  # noqa: E402
 from actors.engine.model_engine import ModelEngine, SequenceBatch  # noqa: E402
 from actors.engine.optimizer import AdamWConfig  # noqa: E402
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
+from actors.engine.shared_prefix import prefix_groups  # noqa: E402
 from actors.rl.losses import sft_loss  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
@@ -57,6 +60,33 @@ def flops_per_token(spec: ModelSpec, lengths: list[int], train: bool) -> float:
     attn = sum(2 * s * s * spec.n_heads * spec.head_dim * spec.n_layers for s in lengths) / total_tokens
     fwd = 2 * matmul + attn
     return 3 * fwd if train else fwd
+
+
+def executed_flops(spec: ModelSpec, batch: SequenceBatch, train: bool) -> float:
+    """Model FLOPs the engine runs for `batch` (module docstring): with prefix_lengths each shared
+    prompt's tokens and its attention once per group (actors.engine.shared_prefix)."""
+    lengths = list(batch.lengths)
+    if batch.prefix_lengths is None:
+        return flops_per_token(spec, lengths, train) * sum(lengths)
+    per_token = flops_per_token(spec, [1], train)  # matmuls only (1-token sequences: ~no attention)
+    attn_unit = 2 * spec.n_heads * spec.head_dim * spec.n_layers * (3 if train else 1)
+    tokens, attn = 0.0, 0.0
+    for first, end, shared in prefix_groups(batch.tokens, lengths, batch.prefix_lengths):
+        tokens += shared + sum(lengths[r] - shared for r in range(first, end))
+        attn += shared * shared + sum(lengths[r] ** 2 - shared * shared for r in range(first, end))
+    return per_token * tokens + attn_unit * attn
+
+
+def make_grpo_batch(vocab: int, shared: bool, seed: int = 1) -> SequenceBatch:
+    """peer_bench's training batch: 64 prompts of 128 tokens x 8 samples of 512; with `shared`
+    the rows of a prompt say so (prefix_lengths) and the engine holds each prompt once."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt in torch.randint(0, vocab, (64, 128), generator=gen):
+        rows += [torch.cat([prompt, torch.randint(0, vocab, (512,), generator=gen)]) for _ in range(8)]
+    tokens = torch.cat(rows)
+    return SequenceBatch(tokens, (640,) * len(rows), token_data={"mask": torch.ones(tokens.numel())},
+                         prefix_lengths=(128,) * len(rows) if shared else None)
 
 
 def make_batch(tokens_per_mb: int, n_micro: int, vocab: int, lo: int, hi: int, seed: int) -> SequenceBatch:
@@ -93,7 +123,10 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
     engine = ModelEngine(spec, False, groups, device, dtype, seed=0, optim_config=AdamWConfig(lr=1e-5))
     if args.eager_elementwise:
         set_elementwise_fusion(engine.model, False)
-    batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
+    if args.grpo_step and not args.cpu:
+        batch = make_grpo_batch(spec.vocab_size, not args.no_shared_prompts)
+    else:
+        batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
     sync = (lambda: None) if args.cpu else torch.cuda.synchronize
 
     def timed(fn: Callable[[], object], reps: int) -> float:
@@ -119,12 +152,12 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
         n_tokens = sum(batch.lengths)
         out[world] = {
             "tokens": n_tokens, "train_s": train_s, "fwd_s": fwd_s,
-            "train_flops": flops_per_token(spec, list(batch.lengths), True) * n_tokens,
-            "fwd_flops": flops_per_token(spec, list(batch.lengths), False) * n_tokens,
+            "train_flops": executed_flops(spec, batch, True), "fwd_flops": executed_flops(spec, batch, False),
             "mem_gib": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
+        shared = "" if batch.prefix_lengths is None else ", prompts shared"
         print(f"measured tp={world}: train {train_s:.3f} s/step, forward {fwd_s:.3f} s/step, "
-              f"{n_tokens} tokens, peak {out[world]['mem_gib']:.1f} GiB{gqa_note()}", flush=True)
+              f"{n_tokens} tokens{shared}, peak {out[world]['mem_gib']:.1f} GiB{gqa_note()}", flush=True)
 
 
 def gqa_note() -> str:
@@ -209,6 +242,9 @@ def main() -> None:
                         help="norms, rotary and SwiGLU gate unfused (the default on CUDA fuses them)")
     parser.add_argument("--grpo-step", action="store_true",
                         help="peer_bench's training call: 16 micro-batches of 32 sequences of 640 tokens")
+    parser.add_argument("--no-shared-prompts", action="store_true",
+                        help="with --grpo-step: every row whole (by default a micro-batch holds each of its "
+                             "prompts once, as the train call does)")
     args = parser.parse_args()
     if args.grpo_step:  # 64 prompts x 8 samples of 128 + 512 tokens, one optimizer step
         args.tokens_per_mb, args.n_micro, args.min_len, args.max_len = 32 * 640, 16, 640, 640

@@ -62,7 +62,7 @@ from planning.cost_terms import (
     sampling_s,
 )
 from planning.call_levels import level_execution, level_splits, split_of
-from planning.dataflow import MFC, ROLES, Graph
+from planning.dataflow import MFC, ROLES, BatchShape, Graph
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
 from planning.offload import check_fractions, normalized, optimizer_parts
@@ -294,6 +294,18 @@ def _pass_time(
     return out
 
 
+def shared_prompt_tokens(batch: BatchShape, seqs: float, minibatches: int) -> float:
+    """Prompt tokens a replica's forward skips over `seqs` rows in one of `minibatches` shuffled
+    minibatches: each prompt its rows share is held once (actors.engine.shared_prefix). A prompt
+    of g rows is in a given minibatch with probability 1 - (1 - 1/m)^g; its rows there share one
+    copy (groups cut at micro-batch boundaries are not counted)."""
+    g, m = batch.prompt_group, max(minibatches, 1)
+    if g <= 1:
+        return 0.0
+    distinct = seqs * m / g * (1.0 - (1.0 - 1.0 / m) ** g)  # prompts among the replica's seqs rows
+    return max(0.0, (seqs - distinct) * batch.prompt_len)
+
+
 def _forward_backward(
     mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: int, n_micro: int, offload: float = 0.0,
 ) -> tuple[dict[str, float], float]:
@@ -302,8 +314,8 @@ def _forward_backward(
     `offload` fraction of the optimizer state, planning.offload)."""
     train = mfc.kind == "train"
     seq_len = mfc.batch.seq_len
-    tokens = seqs * seq_len
     steps = mfc.n_minibatches if train else 1
+    tokens = seqs * seq_len - shared_prompt_tokens(mfc.batch, seqs, steps)
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
@@ -313,8 +325,9 @@ def _forward_backward(
         # One forward over the replica's whole batch (every minibatch), in micro-batches of the
         # same token budget, before the optimizer steps.
         all_seqs = math.ceil(mfc.batch.n_seqs / layout.dp)
-        n_all = min(all_seqs, max(1, math.ceil(all_seqs * seq_len * n_micro / tokens)))
-        forward = _pass_time(geo, layout, links, all_seqs * seq_len, n_all, seq_len / 2, 1)
+        n_all = min(all_seqs, max(1, math.ceil(all_seqs * n_micro / seqs)))
+        forward = _pass_time(geo, layout, links, all_seqs * seq_len - shared_prompt_tokens(mfc.batch, all_seqs, 1),
+                             n_all, seq_len / 2, 1)
         parts["recompute_s"] = sum(forward.values())
     if train:
         # Gradients accumulate in fp32 (the optimizer's main_grad, actors.engine.optimizer), the

@@ -41,7 +41,8 @@ class BatchShape:
     n_seqs: sequences in the call. prompt_len / gen_len: tokens of prompt and response (for
     generate, gen_len is the number of decoding steps; for inference and train the sequences are
     prompt_len + gen_len tokens long). prompt_group: consecutive sequences that share one prompt
-    (samples per prompt); a generate call prefills each prompt once (actors.generation.prefill).
+    (samples per prompt); a generate call prefills each prompt once (actors.generation.prefill),
+    an inference or train call runs it once per micro-batch (actors.engine.shared_prefix).
     """
 
     n_seqs: int
@@ -308,14 +309,17 @@ def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_miniba
         raise ValueError(f"group_size={group_size}: must be >= 1")
     gen, grouped = _shapes(BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len), multi_turn)
     gen = replace(gen, prompt_group=group_size)  # generation prefills each prompt once
+    # The ref and the actor's training forward hold each prompt once per micro-batch
+    # (actors.engine.shared_prefix); a reward model may read other ids, so it is priced whole.
+    shared = replace(grouped, prompt_group=group_size)
     seq = ("seq", "prompt_mask")
     return Graph(algorithm, (
         MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), gen,
             expected_runs=gen_runs, multi_turn=multi_turn),
         MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped, expected_runs=gen_runs),
-        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), grouped),
+        MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), shared),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards", "ref_logprobs"), ("actor_stats",),
-            grouped, ppo_minibatches, recompute_forward=ppo_minibatches > 1),
+            shared, ppo_minibatches, recompute_forward=ppo_minibatches > 1),
     ))
 
 

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from actors.engine.attention import KVCache, packed_attention
 from actors.engine.packing import PackedBatch
+from actors.engine.shared_prefix_attention import shared_prefix_attention
 from planning.models import ModelSpec
-
 
 # ---- elementwise work, eager or fused ---------------------------------------------------------
 # Each function below is a chain of memory-bound elementwise kernels in eager mode (RMSNorm alone
@@ -179,7 +179,12 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.rotated_qkv(x, cos, sin, kv_cache)
         kv_index = self.kv_index(x.device)
-        if kv_cache is None:
+        if kv_cache is None and batch.shared_prefix is not None:
+            if self.sliding_window is not None:
+                raise ValueError(f"layer {self.layer_idx}: a sliding window ({self.sliding_window}) cannot attend "
+                                 "over shared prefixes; run the call with share_prompts: false")
+            out = shared_prefix_attention(q, k, v, batch, self.backend, kv_index)
+        elif kv_cache is None:
             out = packed_attention(q, k, v, batch, self.backend, self.sliding_window, kv_index)
         elif not kv_cache.prefilled:
             out = kv_cache.prefill(self.layer_idx, q, k, v, batch, self.backend, self.sliding_window, kv_index)
@@ -372,6 +377,10 @@ class Transformer(nn.Module):
             kv_cache.advance(batch)
         if not self.has_head:
             return hidden
+        if batch.shared_prefix is not None and kv_cache is None:
+            # Each row's first suffix token is predicted from its group's last prefix token:
+            # those rows again after the stream, [T_c + B, H] (actors.engine.shared_prefix).
+            hidden = torch.cat([hidden, hidden[batch.shared_prefix.head_rows]])
         if head_indices is not None:
             hidden = hidden[head_indices]
         hidden = self.model.norm(hidden)

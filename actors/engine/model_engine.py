@@ -34,7 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from actors.engine.logprobs import shift_to_token_positions, token_logprobs, vocab_parallel_entropy
+from actors.engine.logprobs import (
+    shift_to_token_positions,
+    token_logprobs,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
 from actors.engine.model import Transformer
 from actors.engine.optimizer import AdamWConfig, ShardedAdamW
 from actors.engine.packing import PackedBatch
@@ -46,6 +51,7 @@ from actors.engine.parallelize import (
 )
 from actors.engine.pipeline import MicroBatch, forward_fill_drain, split_by_tokens, train_1f1b
 from actors.engine.process_groups import ParallelGroups
+from actors.engine.shared_prefix import head_targets, rows_at_positions, rows_per_token, shared_layout
 from actors.rl import LossSums
 from planning.models import ModelSpec
 
@@ -80,6 +86,9 @@ class SequenceBatch:
     tensors (loss masks, advantages, old logprobs); seq_data: per-sequence [B, ...] tensors.
     group_size: consecutive sequences that dp and micro-batch splits never separate (2 for DPO's
     chosen/rejected pairs; B must be a multiple of it).
+    prefix_lengths: per sequence, how many leading tokens (its prompt) it may share with the
+    sequences next to it: a micro-batch then holds each shared prompt once
+    (actors.engine.shared_prefix); None: every sequence on its own.
     """
 
     tokens: Tensor
@@ -87,6 +96,7 @@ class SequenceBatch:
     token_data: dict[str, Tensor] = field(default_factory=dict)
     seq_data: dict[str, Tensor] = field(default_factory=dict)
     group_size: int = 1
+    prefix_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         total = sum(self.lengths)
@@ -96,6 +106,9 @@ class SequenceBatch:
             raise ValueError(f"lengths={self.lengths}: need at least one sequence, each of length >= 1")
         if self.group_size < 1 or len(self.lengths) % self.group_size:
             raise ValueError(f"group_size={self.group_size}: must be >= 1 and divide the {len(self.lengths)} sequences")
+        if self.prefix_lengths is not None and len(self.prefix_lengths) != len(self.lengths):
+            raise ValueError(f"prefix_lengths: {len(self.prefix_lengths)} entries; must be one per sequence "
+                             f"({len(self.lengths)})")
         for name, value in self.token_data.items():
             if value.shape[:1] != (total,):
                 raise ValueError(f"token_data[{name!r}]: shape {tuple(value.shape)}; must start with T={total}")
@@ -114,13 +127,20 @@ class SequenceBatch:
             token_data={k: v[start:end] for k, v in self.token_data.items()},
             seq_data={k: v[seqs.start:seqs.stop] for k, v in self.seq_data.items()},
             group_size=self.group_size,
+            prefix_lengths=None if self.prefix_lengths is None else self.prefix_lengths[seqs.start:seqs.stop],
         )
 
-    def micro_batch(self, device: torch.device | str) -> MicroBatch:
-        """On `device`, with the loss inputs merged into one dict (plus "cu_seqlens" int32 [B+1])."""
+    def micro_batch(self, device: torch.device | str, share_prefixes: bool = True) -> MicroBatch:
+        """On `device`, with the loss inputs merged into one dict (plus the rows' "cu_seqlens"
+        int32 [B+1]); with prefix_lengths and `share_prefixes`, as a compact stream of shared
+        prefixes where neighbouring rows share one (`shared_layout`)."""
         packed = PackedBatch.from_lengths(list(self.lengths), device)
         data = {k: v.to(device) for k, v in {**self.token_data, **self.seq_data}.items()}
         data["cu_seqlens"] = packed.cu_seqlens
+        if self.prefix_lengths is not None and share_prefixes:
+            compact = shared_layout(self.tokens, self.lengths, self.prefix_lengths, device)
+            if compact is not None:
+                return MicroBatch(compact[0], compact[1], data, compact[2])
         return MicroBatch(self.tokens.to(device), packed, data)
 
 
@@ -200,15 +220,28 @@ class ModelEngine:
         return split_by_tokens(list(share.lengths), min(count, n_groups), share.group_size)
 
     def _micro_batches(self, share: SequenceBatch, n_micro: int, micro_batch_tokens: int | None) -> list[MicroBatch]:
-        return [share.select(part).micro_batch(self.device)
+        # A sliding window's masks are positional; the compact stream's attention has none.
+        share_prefixes = self.spec.sliding_window is None
+        return [share.select(part).micro_batch(self.device, share_prefixes)
                 for part in self.micro_batch_split(share, n_micro, micro_batch_tokens)]
 
     # ---- heads -------------------------------------------------------------------------------------
     def _per_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
         """Head output -> float32 [T_mb] in the token convention (see module docstring)."""
+        if mb.rows is not None:
+            return self._per_row_token(out, mb, temperature, shift)
         if self.critic:
             return shift_to_token_positions(out, mb.packed.cu_seqlens) if shift else out
         return token_logprobs(out, mb.tokens, mb.packed.cu_seqlens, self.groups.tp_group, temperature)
+
+    def _per_row_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
+        """Head output [T_c + B, ...] of a compact micro-batch -> float32 [T_rows] per row token."""
+        assert mb.rows is not None
+        if self.critic:
+            return rows_per_token(out, mb.packed, mb.rows) if shift else rows_at_positions(out, mb.rows)
+        targets = head_targets(mb.tokens, mb.packed, mb.rows)
+        per_position = vocab_parallel_logprobs(out, targets, self.groups.tp_group, temperature)
+        return rows_per_token(per_position, mb.packed, mb.rows)
 
     # ---- training ----------------------------------------------------------------------------------
     def backward_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
@@ -229,7 +262,8 @@ class ModelEngine:
             data = dict(mb.data)
             if with_entropy and not self.critic:
                 entropy = vocab_parallel_entropy(out, self.groups.tp_group, temperature)
-                data["entropy"] = shift_to_token_positions(entropy, mb.packed.cu_seqlens)
+                data["entropy"] = (shift_to_token_positions(entropy, mb.packed.cu_seqlens) if mb.rows is None
+                                   else rows_per_token(entropy, mb.packed, mb.rows))
             result = loss_fn(self._per_token(out, mb, temperature, shift_values), data)
             sums.append(result)
             return result.loss

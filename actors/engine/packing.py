@@ -5,6 +5,10 @@ A batch of B sequences with lengths l_0..l_{B-1} is stored as one tensor of T = 
 flash-attention and `torch.nn.attention.varlen` take) and per-token `positions` that restart at 0
 at every sequence start (for rotary embeddings). Every engine component (model, attention,
 logprobs, pipeline, generation) takes a `PackedBatch` next to its token / hidden tensor.
+
+A batch whose rows share prompts may hold each shared prefix once (`PrefixSpans`, built by
+actors.engine.shared_prefix): its sequences are then the prefixes and the rows' suffixes, and
+each suffix also attends to its group's prefix.
 """
 
 from __future__ import annotations
@@ -16,17 +20,45 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class PrefixSpans:
+    """Where a compact stream's shared prefixes and their rows' suffixes lie (device tensors).
+
+    The prefixes of the G groups fill positions [0, n_prefix_tokens), the suffixes follow.
+    cu_prefix: int32 [G+1], group g's prefix is [cu_prefix[g], cu_prefix[g+1]).
+    cu_suffix: int32 [G+1], group g's rows' suffixes (consecutive) are n_prefix_tokens +
+        [cu_suffix[g], cu_suffix[g+1]); each of those tokens also attends to the whole prefix.
+    max_prefix / max_group_suffix: the longest of each (kernels size their tiles by them).
+    head_rows: int64 [B], per row the compact position of its group's last prefix token: the head
+        runs on the stream and then on these rows again (each predicts its row's first suffix token).
+    """
+
+    n_prefix_tokens: int
+    cu_prefix: Tensor
+    cu_suffix: Tensor
+    max_prefix: int
+    max_group_suffix: int
+    head_rows: Tensor
+
+    def to(self, device: torch.device | str) -> PrefixSpans:
+        return PrefixSpans(self.n_prefix_tokens, self.cu_prefix.to(device), self.cu_suffix.to(device),
+                           self.max_prefix, self.max_group_suffix, self.head_rows.to(device))
+
+
+@dataclass(frozen=True)
 class PackedBatch:
     """Sequence boundaries of a packed batch.
 
     cu_seqlens: int32 [B+1], cumulative lengths starting at 0.
     positions: int64 [T], position of each token inside its own sequence.
     max_seqlen: the longest sequence (kernels size their tiles by it).
+    shared_prefix: set when the sequences are shared prefixes and suffixes (`PrefixSpans`); the
+        positions then continue from a prefix into its suffixes.
     """
 
     cu_seqlens: Tensor
     positions: Tensor
     max_seqlen: int
+    shared_prefix: PrefixSpans | None = None
 
     @staticmethod
     def from_lengths(lengths: list[int], device: torch.device | str | None = None) -> PackedBatch:
@@ -76,7 +108,8 @@ class PackedBatch:
         return self.cu_seqlens[1:].to(torch.int64) - 1
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen)
+        spans = None if self.shared_prefix is None else self.shared_prefix.to(device)
+        return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen, spans)
 
     def select(self, seq_indices: list[int]) -> PackedBatch:
         """Boundaries of the sub-batch made of these sequences, in this order."""
@@ -100,4 +133,4 @@ def unpack_sequences(packed: Tensor, batch: PackedBatch) -> list[Tensor]:
     return list(torch.split(packed, batch.lengths(), dim=0))
 
 
-__all__ = ["PackedBatch", "pack_sequences", "unpack_sequences"]
+__all__ = ["PackedBatch", "PrefixSpans", "pack_sequences", "unpack_sequences"]

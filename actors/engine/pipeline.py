@@ -27,6 +27,7 @@ from torch import Tensor
 from actors.engine.model import Transformer
 from actors.engine.packing import PackedBatch
 from actors.engine.process_groups import ParallelGroups
+from actors.engine.shared_prefix import RowMap
 
 
 def split_by_tokens(lengths: list[int], n_parts: int, group_size: int = 1) -> list[range]:
@@ -74,11 +75,14 @@ def _split_groups(lengths: list[int], n_parts: int, group_size: int) -> list[ran
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch on the device: token ids int64 [T_mb], its boundaries, and the loss inputs
-    (per-token [T_mb] and per-sequence [B_mb] tensors keyed by name)."""
+    (per-token [T_mb] and per-sequence [B_mb] tensors keyed by name). With `rows`, tokens and
+    packed are a compact stream of shared prefixes and suffixes (actors.engine.shared_prefix),
+    and the loss inputs stay per row token [T_rows]."""
 
     tokens: Tensor
     packed: PackedBatch
     data: dict[str, Tensor] = field(default_factory=dict)
+    rows: RowMap | None = None
 
     @property
     def n_tokens(self) -> int:

@@ -15,10 +15,9 @@ from typing import Any
 
 from torch import Tensor
 
-from actors.engine import SequenceBatch
 from actors.rl import truncated_is_weights
 from actors.worker.calls import CallContext, micro_batching
-from actors.worker.rollout import Rollout
+from actors.worker.rollout import Rollout, prompt_batch
 
 
 def reuses_forward_logprobs(params: dict[str, Any]) -> bool:
@@ -49,7 +48,7 @@ def behaviour_logprobs(ctx: CallContext, r: Rollout) -> Tensor:
     if not bool(ctx.params.get("recompute_logprobs", True)):
         return r.logprobs
     engine = ctx.need_engine()
-    batch = SequenceBatch(r.tokens, r.lengths)
+    batch = prompt_batch(ctx, r)
     temperature = float(ctx.params.get("temperature", 1.0))
     mb = micro_batching(ctx)
     logprobs = engine.forward_logprobs(batch, mb.n_micro, temperature, gather_dp=True, micro_batch_tokens=mb.tokens)

@@ -191,7 +191,11 @@ def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str 
     cols = merge_shards(inputs, range(ctx.call.n_rows), [f"{prefix}prompt_ids", f"{prefix}response_ids"])
     prompts, responses = cols[f"{prefix}prompt_ids"], cols[f"{prefix}response_ids"]
     tokens, lengths, _ = pack_rows(prompts, responses)
-    return SequenceBatch(tokens, tuple(lengths)), [t.numel() for t in prompts], [t.numel() for t in responses]
+    plens = [t.numel() for t in prompts]
+    # Rows of one prompt sit next to each other: the engine can hold each prompt once
+    # (actors.engine.shared_prefix; params['share_prompts'] false: every row whole).
+    shared = tuple(plens) if bool(ctx.params.get("share_prompts", True)) else None
+    return SequenceBatch(tokens, tuple(lengths), prefix_lengths=shared), plens, [t.numel() for t in responses]
 
 
 def micro_batching(ctx: CallContext) -> MicroBatching:

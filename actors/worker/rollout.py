@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from actors.engine import SequenceBatch
 from actors.worker.calls import CallContext
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
 
@@ -24,7 +25,8 @@ class Rollout:
     ref_logprobs, values, old_logprobs (from an actor_inf call) float32 [T] (zeros on prompts;
     `mask` is also 0 on a multi-turn rollout's observation ids, from its `response_mask`);
     scores float32 [B] (after the no-EOS penalty); cu_seqlens int64 [B+1]; prompt_index int64 [B]
-    (which prompt each row answers) when the generation gave it."""
+    (which prompt each row answers) when the generation gave it; prompt_lengths: each row's prompt
+    tokens (the prefix its neighbours may share, actors.engine.shared_prefix)."""
 
     tokens: Tensor
     lengths: tuple[int, ...]
@@ -38,6 +40,7 @@ class Rollout:
     response_lengths: list[int]
     old_logprobs: Tensor | None = None
     prompt_index: Tensor | None = None
+    prompt_lengths: tuple[int, ...] | None = None
 
 
 def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence[str]) -> Rollout:
@@ -60,7 +63,15 @@ def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence
     index = torch.tensor([int(x) for x in cols["prompt_index"]]) if "prompt_index" in cols else None
     return Rollout(tokens, tuple(lengths), cu_seqlens_of(lengths), mask, scatter_responses(cols["logprobs"], plens),
                    per_token["ref_logprobs"], per_token["values"], raw - penalty * no_eos, raw,
-                   response_lengths, per_token["old_logprobs"], index)
+                   response_lengths, per_token["old_logprobs"], index, tuple(plens))
 
 
-__all__ = ["Rollout", "load_rollout"]
+def prompt_batch(ctx: CallContext, r: Rollout, token_data: dict[str, Tensor] | None = None) -> SequenceBatch:
+    """The rollout's rows as a batch; with params['share_prompts'] (default true) the engine holds
+    each prompt its neighbouring rows share once per micro-batch (actors.engine.shared_prefix)."""
+    share = bool(ctx.params.get("share_prompts", True))
+    return SequenceBatch(r.tokens, r.lengths, token_data or {},
+                         prefix_lengths=r.prompt_lengths if share else None)
+
+
+__all__ = ["Rollout", "load_rollout", "prompt_batch"]

@@ -67,7 +67,7 @@ from actors.worker.behaviour import (
 from actors.worker.calls import CallContext, micro_batching
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows
 from actors.worker.guards import check_update
-from actors.worker.rollout import Rollout, load_rollout
+from actors.worker.rollout import Rollout, load_rollout, prompt_batch
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> float:
@@ -116,9 +116,24 @@ def select_rows(batch: SequenceBatch, rows: Sequence[int]) -> SequenceBatch:
     cu = cu_seqlens_of(batch.lengths).tolist()
     index = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in rows])
     seq_index = torch.tensor(list(rows), dtype=torch.int64)
+    prefix = None if batch.prefix_lengths is None else tuple(batch.prefix_lengths[i] for i in rows)
     return SequenceBatch(batch.tokens[index], tuple(batch.lengths[i] for i in rows),
                          {k: v[index] for k, v in batch.token_data.items()},
-                         {k: v[seq_index] for k, v in batch.seq_data.items()})
+                         {k: v[seq_index] for k, v in batch.seq_data.items()}, prefix_lengths=prefix)
+
+
+def rows_by_prefix(batch: SequenceBatch, rows: Sequence[int]) -> list[int]:
+    """`rows` with the rows of one prompt next to each other (groups in order of first
+    appearance, rows in their order inside a group), so that a micro-batch can hold each prompt
+    once. A minibatch's loss sums over its rows: the order changes no result beyond rounding."""
+    if batch.prefix_lengths is None:
+        return list(rows)
+    cu = cu_seqlens_of(batch.lengths).tolist()
+    keys = {r: tuple(batch.tokens[cu[r]:cu[r] + batch.prefix_lengths[r]].tolist()) for r in rows}
+    first: dict[tuple[int, ...], int] = {}
+    for r in rows:
+        first.setdefault(keys[r], len(first))
+    return sorted(rows, key=lambda r: first[keys[r]])
 
 
 def minibatch_rows(ctx: CallContext, n_rows: int, epoch: int) -> list[list[int]]:
@@ -146,7 +161,8 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
     steps, skipped = 0, 0.0
     for epoch in range(int(ctx.params.get("ppo_epochs", 1))):
         for rows in minibatch_rows(ctx, len(batch.lengths), epoch):
-            metrics = engine.train_step(select_rows(batch, rows), loss_fn, mb.n_micro, temperature, with_entropy,
+            metrics = engine.train_step(select_rows(batch, rows_by_prefix(batch, rows)), loss_fn, mb.n_micro,
+                                        temperature, with_entropy,
                                         micro_batch_tokens=mb.tokens)
             skipped += check_update(metrics, ctx.call.name, ctx.call.iteration, ctx.params)
             for key, value in metrics.items():
@@ -227,7 +243,7 @@ def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[st
         token_data["ref_logprobs"] = r.ref_logprobs
     if float(ctx.params.get("kl_loss_coef", 0.0)) > 0 and r.ref_logprobs is None:
         raise ValueError(f"call {ctx.call.name}: kl_loss_coef > 0 needs 'ref_logprobs' from the ref call")
-    batch = SequenceBatch(r.tokens, r.lengths, token_data)
+    batch = prompt_batch(ctx, r, token_data)
     with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
     metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params, old_from_forward=reuse), "actor", with_entropy)
     if old is not None:
@@ -253,7 +269,7 @@ def run_ppo_critic(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dic
         return value_loss(values, data["old_values"], data["returns"], data["mask"],
                           None if clip is None else float(clip), agg, data["cu_seqlens"])
 
-    batch = SequenceBatch(r.tokens, r.lengths, {"mask": r.mask, "old_values": r.values, "returns": returns})
+    batch = prompt_batch(ctx, r, {"mask": r.mask, "old_values": r.values, "returns": returns})
     metrics = run_epochs(ctx, batch, loss, "critic")
     metrics["critic/returns_mean"] = masked_mean(returns, r.mask)
     metrics["critic/values_mean"] = masked_mean(r.values, r.mask)

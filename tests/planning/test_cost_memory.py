@@ -29,6 +29,9 @@ ONE_GPU = Placement(Mesh(0, 1, 1), Layout(1, 1, 1))
 LLAMA_1B = model_preset("llama3.2-1b")  # h 2048, intermediate 8192, 32 q heads, 8 kv heads of 64
 
 
+COMPACT = 1 - 128 * (1 - 1 / 8) / 640  # the share of _grpo()'s row tokens a shared-prompt forward runs
+
+
 def _grpo(prompt_len: int = 128, gen_len: int = 512) -> PlanningProblem:
     graph = outcome_graph("grpo", BatchShape(64, prompt_len, gen_len), 8)
     return rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), LLAMA_1B)
@@ -62,8 +65,9 @@ def test_inference_working_set_is_one_block_or_the_head_whichever_is_larger() ->
     tokens = 16384
     execution = CallExecution(micro_batch_tokens=tokens)
     # The reference's peak is at its head: bf16 logits read in place by the fused logprob kernel
-    # (not float32), beside the final hidden states and their norm.
-    head = tokens * (LLAMA_1B.vocab_size * 2 + 2 * 2048 * 2)
+    # (not float32), beside the final hidden states and their norm. Its micro-batches hold each
+    # prompt of 8 rows once (planning.cost.shared_prompt_tokens): 1 - 128 * 7/8 / 640 of the tokens.
+    head = tokens * COMPACT * (LLAMA_1B.vocab_size * 2 + 2 * 2048 * 2)
     assert _activation(problem, "ref_inf", execution) == pytest.approx(head)
     # The reward model's head is one column: a block's working set is its peak.
     block = tokens * inference_bytes_per_token_layer(LLAMA_1B, 1)
@@ -95,8 +99,8 @@ def test_training_logits_and_the_entropy_bonus() -> None:
     execution = CallExecution(micro_batch_tokens=tokens)
     # The h200 preset's engine fuses the elementwise ops (HardwareSpec.fused_elementwise).
     assert problem.cluster.hardware.fused_elementwise
-    stored = tokens * activation_bytes_per_token_layer(LLAMA_1B, 1, fused=True) * LLAMA_1B.n_layers
-    logits = tokens * LLAMA_1B.vocab_size
+    stored = tokens * COMPACT * activation_bytes_per_token_layer(LLAMA_1B, 1, fused=True) * LLAMA_1B.n_layers
+    logits = tokens * COMPACT * LLAMA_1B.vocab_size
     assert _activation(problem, "actor_train", execution) == pytest.approx(stored + logits * TRAIN_LOGIT_BYTES)
     entropy = with_entropy_bonus(problem.graph)
     assert [m.name for m in entropy.mfcs if m.with_entropy] == ["actor_train"]

@@ -1,0 +1,231 @@
+"""Attention over a compact stream of shared prefixes and their rows' suffixes (training too).
+
+The stream (actors.engine.shared_prefix) is [prefixes | suffixes]: each prefix and each suffix
+is causal within itself, and a suffix token also sees its group's whole prefix. On CUDA that is
+two FlashAttention calls and a merge, the cascade the decode kernels use (actors.kernels):
+
+  self:  causal attention of every token within its own sequence of the stream -> (o_s, lse_s)
+  cross: each group's suffix tokens (all its rows, one query sequence) over its prefix, no mask
+         -> (o_x, lse_x)
+  merge: lse = log(exp(lse_s) + exp(lse_x)); o = o_s exp(lse_s - lse) + o_x exp(lse_x - lse)
+
+The backward needs no gradient of the lse: FlashAttention's backward of each part, given the
+MERGED output and lse, recomputes exactly the probabilities of the full softmax over that part's
+keys and the row term D = rowsum(dO * O) of the full attention, so the two backward calls' dQ
+add up to the full dQ and each gives its keys' dK, dV (as ring attention does across devices).
+`CascadeKernels` holds the forward and backward primitives: torch's FlashAttention ops on CUDA,
+and a dense float32 reference (`REFERENCE_KERNELS`) that the CPU tests run the same cascade with.
+Elsewhere (the "sdpa" backend) one SDPA call with the stream's dense mask.
+
+Shapes: q [T_c, Hq, D]; k, v [T_c, Hkv, D]; lse [Hq, T] float32 (FlashAttention's varlen layout).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from actors.engine.attention import packed_causal_mask, resolve_backend, varlen_gqa_mode
+from actors.engine.packing import PackedBatch
+
+# (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [Hq, T_q], rng state)
+ForwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float], tuple[Tensor, Tensor, Tensor]]
+# (d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng state) -> (dq, dk, dv)
+BackwardFn = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class CascadeKernels:
+    """Varlen attention forward (with lse) and backward (given out and lse) primitives, and the
+    merge of two partial results (`merge_partials`, or the same compiled into one kernel)."""
+
+    forward: ForwardFn
+    backward: BackwardFn
+    merge: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def merge_partials(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention over the union of two key sets from each set's output [T, H, D] and lse [H, T]:
+    (output [T, H, D] in o_a's dtype, lse [H, T] in the lse's dtype)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = (lse_a - lse).exp().transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+    weight_b = (lse_b - lse).exp().transpose(0, 1).unsqueeze(-1)
+    work = _work_dtype(o_a)
+    return (o_a.to(work) * weight_a + o_b.to(work) * weight_b).to(o_a.dtype), lse
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                   causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"FlashAttention returned lse of shape {tuple(lse.shape)}; the shared-prefix cascade "
+                           f"expects [heads, tokens] = {(q.shape[1], q.shape[0])} (set the call's "
+                           "share_prompts: false to run without it)")
+    return out, lse, rng
+
+
+def _flash_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                    cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                    rng: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
+    return dq, dk, dv
+
+
+@functools.cache
+def _compiled_merge() -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    # Eager, the merge is ~10 elementwise passes over [T, H, D] (float32 copies, products, the
+    # sum, the cast): 0.8 ms per layer and micro-batch at the peer bench's shape. Compiled once
+    # per process (dynamic shapes), one kernel reads both partials and writes the result.
+    return torch.compile(merge_partials, dynamic=True, fullgraph=True)
+
+
+def _fused_merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    return _compiled_merge()(o_a, lse_a, o_b, lse_b)
+
+
+FLASH_KERNELS = CascadeKernels(_flash_forward, _flash_backward, _fused_merge)
+
+
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """float64 for float64 inputs (the tests), float32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _reference_scores(q: Tensor, k: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """(scaled scores [Hq, T_q, T_k] in float32 or float64, -inf where hidden; k repeated to Hq heads) with
+    FlashAttention's varlen masking: same sequence and, with `causal`, key j <= query i aligned
+    at the bottom right."""
+    seq_q = torch.searchsorted(cu_q[1:].contiguous(), torch.arange(q.shape[0], dtype=cu_q.dtype), right=True)
+    seq_k = torch.searchsorted(cu_k[1:].contiguous(), torch.arange(k.shape[0], dtype=cu_k.dtype), right=True)
+    n_q, n_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    pos_q = torch.arange(q.shape[0]) - cu_q[:-1].long()[seq_q] + (n_k - n_q)[seq_q]
+    pos_k = torch.arange(k.shape[0]) - cu_k[:-1].long()[seq_k]
+    visible = seq_q[:, None] == seq_k[None, :]
+    if causal:
+        visible &= pos_k[None, :] <= pos_q[:, None]
+    k_full = k.to(_work_dtype(q)).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(_work_dtype(q)), k_full) * scale
+    return scores.masked_fill(~visible, float("-inf")), k_full
+
+
+def _reference_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    scores, _ = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, T_q]
+    v_full = v.to(_work_dtype(q)).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = torch.einsum("hqk,khd->qhd", (scores - lse.unsqueeze(-1)).exp(), v_full)
+    return out.to(q.dtype), lse, torch.zeros(2)
+
+
+def _reference_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                        cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                        rng: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention's backward from the given out and lse: P = exp(S - lse), D = rowsum(dO * O),
+    dS = P (dP - D); dK, dV summed over each KV head's query heads."""
+    scores, k_full = _reference_scores(q, k, cu_q, cu_k, causal, scale)
+    probs = (scores - lse.unsqueeze(-1)).exp()  # [Hq, T_q, T_k]
+    group = q.shape[1] // k.shape[1]
+    v_full = v.to(_work_dtype(q)).repeat_interleave(group, dim=1)
+    d_o = d_out.to(_work_dtype(q))
+    d_probs = torch.einsum("qhd,khd->hqk", d_o, v_full)
+    row_term = (d_o * out.to(_work_dtype(q))).sum(-1).transpose(0, 1)  # D [Hq, T_q]
+    d_scores = probs * (d_probs - row_term.unsqueeze(-1)) * scale
+    dq = torch.einsum("hqk,khd->qhd", d_scores, k_full)
+    dk = torch.einsum("hqk,qhd->khd", d_scores, q.to(_work_dtype(q))).unflatten(1, (k.shape[1], group)).sum(2)
+    dv = torch.einsum("hqk,qhd->khd", probs, d_o).unflatten(1, (k.shape[1], group)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+REFERENCE_KERNELS = CascadeKernels(_reference_forward, _reference_backward, merge_partials)
+
+
+class _CascadeAttention(torch.autograd.Function):
+    """Self + cross attention of a compact stream, merged; backward from the merged out and lse."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch,
+                kernels: CascadeKernels) -> Tensor:
+        spans = batch.shared_prefix
+        assert spans is not None
+        n_p, scale = spans.n_prefix_tokens, q.shape[-1] ** -0.5
+        out, lse, rng = kernels.forward(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
+                                        batch.max_seqlen, True, scale)
+        o_x, lse_x, rng_x = kernels.forward(q[n_p:], k[:n_p], v[:n_p], spans.cu_suffix, spans.cu_prefix,
+                                            spans.max_group_suffix, spans.max_prefix, False, scale)
+        merged, merged_lse = kernels.merge(out[n_p:], lse[:, n_p:], o_x, lse_x)
+        out[n_p:] = merged
+        lse[:, n_p:] = merged_lse
+        ctx.save_for_backward(q, k, v, out, lse, rng, rng_x)
+        ctx.batch, ctx.kernels, ctx.scale = batch, kernels, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, rng, rng_x = ctx.saved_tensors
+        batch, kernels, scale = ctx.batch, ctx.kernels, ctx.scale
+        spans = batch.shared_prefix
+        n_p = spans.n_prefix_tokens
+        d_out = d_out.contiguous()
+        dq, dk, dv = kernels.backward(d_out, q, k, v, out, lse, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
+                                      batch.max_seqlen, True, scale, rng)
+        dq_x, dk_x, dv_x = kernels.backward(d_out[n_p:], q[n_p:], k[:n_p], v[:n_p], out[n_p:],
+                                            lse[:, n_p:].contiguous(), spans.cu_suffix, spans.cu_prefix,
+                                            spans.max_group_suffix, spans.max_prefix, False, scale, rng_x)
+        dq[n_p:] += dq_x
+        dk[:n_p] += dk_x
+        dv[:n_p] += dv_x
+        return dq, dk, dv, None, None
+
+
+def cascade_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, kernels: CascadeKernels) -> Tensor:
+    """[T_c, Hq, D] attention of a compact stream with these primitives (module docstring)."""
+    if batch.shared_prefix is None:
+        raise ValueError("cascade_attention: the packed batch has no shared_prefix spans")
+    return _CascadeAttention.apply(q, k, v, batch, kernels)
+
+
+def shared_prefix_mask(batch: PackedBatch) -> Tensor:
+    """bool [T_c, T_c]: causal within each sequence of the stream, plus suffix -> own group's prefix."""
+    spans = batch.shared_prefix
+    assert spans is not None
+    n_p = spans.n_prefix_tokens
+    index = torch.arange(batch.n_tokens, device=batch.device, dtype=torch.int32)
+    is_prefix = index < n_p
+    group = torch.where(is_prefix,
+                        torch.searchsorted(spans.cu_prefix[1:].contiguous(), index, right=True),
+                        torch.searchsorted(spans.cu_suffix[1:].contiguous(), index - n_p, right=True))
+    cross = ~is_prefix[:, None] & is_prefix[None, :] & (group[:, None] == group[None, :])
+    return packed_causal_mask(batch) | cross
+
+
+def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, backend: str = "auto",
+                            kv_index: Tensor | None = None) -> Tensor:
+    """Attention of a compact stream of shared prefixes and suffixes; q [T_c, Hq, D], k, v
+    [T_c, Hkv, D] (or any Hkv with `kv_index` [Hq]). Returns [T_c, Hq, D]."""
+    if kv_index is not None:
+        k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    name = resolve_backend(backend, q.device, q.dtype)
+    if name in ("varlen", "flash"):
+        if k.shape[1] != q.shape[1] and varlen_gqa_mode(q.device) == "repeat":
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return cascade_attention(q, k, v, batch, FLASH_KERNELS)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=shared_prefix_mask(batch), scale=q.shape[-1] ** -0.5, enable_gqa=k.shape[1] != q.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+__all__ = [
+    "FLASH_KERNELS", "REFERENCE_KERNELS", "CascadeKernels", "cascade_attention", "merge_partials",
+    "shared_prefix_attention", "shared_prefix_mask",
+]
