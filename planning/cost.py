@@ -294,16 +294,20 @@ def _pass_time(
     return out
 
 
-def shared_prompt_tokens(batch: BatchShape, seqs: float, minibatches: int) -> float:
-    """Prompt tokens a replica's forward skips over `seqs` rows in one of `minibatches` shuffled
-    minibatches: each prompt its rows share is held once (actors.engine.shared_prefix). A prompt
-    of g rows is in a given minibatch with probability 1 - (1 - 1/m)^g; its rows there share one
-    copy (groups cut at micro-batch boundaries are not counted)."""
+def forward_tokens(batch: BatchShape, seqs: float, minibatches: int) -> tuple[float, float]:
+    """(tokens, mean attention context per token) of a replica's forward over `seqs` rows in one
+    of `minibatches` shuffled minibatches. Each prompt its rows share is held once
+    (actors.engine.shared_prefix): a prompt of g rows is in a given minibatch with probability
+    1 - (1 - 1/m)^g and its rows there share one copy (groups cut at micro-batch boundaries are
+    not counted). The held-once prompt tokens attend p/2 keys on average, every answer token
+    still p + its position: sharing removes tokens, not the answers' attention."""
+    p, n = batch.prompt_len, batch.gen_len
     g, m = batch.prompt_group, max(minibatches, 1)
-    if g <= 1:
-        return 0.0
-    distinct = seqs * m / g * (1.0 - (1.0 - 1.0 / m) ** g)  # prompts among the replica's seqs rows
-    return max(0.0, (seqs - distinct) * batch.prompt_len)
+    if g <= 1 or p == 0:
+        return seqs * batch.seq_len, batch.seq_len / 2
+    distinct = min(seqs, seqs * m / g * (1.0 - (1.0 - 1.0 / m) ** g))  # prompts among the rows
+    tokens = distinct * p + seqs * n
+    return tokens, (distinct * p * p / 2 + seqs * n * (p + n / 2)) / tokens
 
 
 def _forward_backward(
@@ -313,10 +317,9 @@ def _forward_backward(
     `seqs` sequences per replica in `n_micro` micro-batches, and the host bytes per GPU (the
     `offload` fraction of the optimizer state, planning.offload)."""
     train = mfc.kind == "train"
-    seq_len = mfc.batch.seq_len
     steps = mfc.n_minibatches if train else 1
-    tokens = seqs * seq_len - shared_prompt_tokens(mfc.batch, seqs, steps)
-    parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, seq_len / 2, 3 if train else 1).items()}
+    tokens, ctx = forward_tokens(mfc.batch, seqs, steps)
+    parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, ctx, 3 if train else 1).items()}
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
                                                   mfc.with_entropy, links.hw.fused_elementwise)
@@ -326,8 +329,8 @@ def _forward_backward(
         # same token budget, before the optimizer steps.
         all_seqs = math.ceil(mfc.batch.n_seqs / layout.dp)
         n_all = min(all_seqs, max(1, math.ceil(all_seqs * n_micro / seqs)))
-        forward = _pass_time(geo, layout, links, all_seqs * seq_len - shared_prompt_tokens(mfc.batch, all_seqs, 1),
-                             n_all, seq_len / 2, 1)
+        all_tokens, all_ctx = forward_tokens(mfc.batch, all_seqs, 1)
+        forward = _pass_time(geo, layout, links, all_tokens, n_all, all_ctx, 1)
         parts["recompute_s"] = sum(forward.values())
     if train:
         # Gradients accumulate in fp32 (the optimizer's main_grad, actors.engine.optimizer), the

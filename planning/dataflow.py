@@ -309,14 +309,15 @@ def outcome_graph(algorithm: str, batch: BatchShape, group_size: int, ppo_miniba
         raise ValueError(f"group_size={group_size}: must be >= 1")
     gen, grouped = _shapes(BatchShape(batch.n_seqs * group_size, batch.prompt_len, batch.gen_len), multi_turn)
     gen = replace(gen, prompt_group=group_size)  # generation prefills each prompt once
-    # The ref and the actor's training forward hold each prompt once per micro-batch
-    # (actors.engine.shared_prefix); a reward model may read other ids, so it is priced whole.
+    # Inference and training forwards hold each prompt once per micro-batch
+    # (actors.engine.shared_prefix); a reward model reading other ids gets its own shape
+    # (app.config.problem.reward_batch), priced whole.
     shared = replace(grouped, prompt_group=group_size)
     seq = ("seq", "prompt_mask")
     return Graph(algorithm, (
         MFC("actor_gen", "actor", "generate", ("prompts",), seq + ("logprobs", "no_eos_mask"), gen,
             expected_runs=gen_runs, multi_turn=multi_turn),
-        MFC("rew_inf", "reward", "inference", seq, ("rewards",), grouped, expected_runs=gen_runs),
+        MFC("rew_inf", "reward", "inference", seq, ("rewards",), shared, expected_runs=gen_runs),
         MFC("ref_inf", "ref", "inference", seq, ("ref_logprobs",), shared),
         MFC("actor_train", "actor", "train", seq + ("logprobs", "rewards", "ref_logprobs"), ("actor_stats",),
             shared, ppo_minibatches, recompute_forward=ppo_minibatches > 1),

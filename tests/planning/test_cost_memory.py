@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from planning.cost import PlanningProblem, call_cost, rlhf_problem
+from planning.cost import PlanningProblem, call_cost, forward_tokens, rlhf_problem
 from planning.cost_terms import (
     ENTROPY_LOGIT_BYTES,
     SAMPLING_BYTES_PER_LOGIT,
@@ -70,7 +70,7 @@ def test_inference_working_set_is_one_block_or_the_head_whichever_is_larger() ->
     head = tokens * COMPACT * (LLAMA_1B.vocab_size * 2 + 2 * 2048 * 2)
     assert _activation(problem, "ref_inf", execution) == pytest.approx(head)
     # The reward model's head is one column: a block's working set is its peak.
-    block = tokens * inference_bytes_per_token_layer(LLAMA_1B, 1)
+    block = tokens * COMPACT * inference_bytes_per_token_layer(LLAMA_1B, 1)
     assert _activation(problem, "rew_inf", execution) == pytest.approx(block)
 
 
@@ -107,3 +107,15 @@ def test_training_logits_and_the_entropy_bonus() -> None:
     bonus = rlhf_problem(entropy, problem.cluster, LLAMA_1B)
     assert _activation(bonus, "actor_train", execution) == pytest.approx(
         stored + logits * (TRAIN_LOGIT_BYTES + ENTROPY_LOGIT_BYTES))
+
+
+def test_shared_prompts_remove_tokens_not_the_answers_attention() -> None:
+    shape = BatchShape(512, 128, 512, prompt_group=8)
+    tokens, ctx = forward_tokens(shape, 512, 1)
+    assert tokens == 64 * 128 + 512 * 512  # each prompt once, every answer token
+    # Prompt tokens attend 64 keys on average, answer tokens their prompt and half their answer.
+    assert ctx == pytest.approx((64 * 128 * 64 + 512 * 512 * (128 + 256)) / tokens)
+    assert forward_tokens(BatchShape(512, 128, 512), 512, 1) == (512 * 640, 320)
+    # Four shuffled minibatches: a prompt of 8 rows is in a given one with probability 1 - (3/4)^8.
+    distinct = 128 * 4 / 8 * (1 - 0.75**8)
+    assert forward_tokens(shape, 128, 4)[0] == pytest.approx(distinct * 128 + 128 * 512)
