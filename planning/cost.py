@@ -44,8 +44,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from planning.call_levels import level_execution, level_splits, split_of
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
+    CASCADE_OVERHEAD_KERNELS,
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
     MODEL_FREE_S_PER_TOKEN,
     OPTIMIZER_TRAFFIC_PER_PARAM,
@@ -57,12 +59,12 @@ from planning.cost_terms import (
     allreduce_s,
     call_geometry,
     decode_stage_s,
+    forward_tokens,
     inference_bytes_per_token_layer,
     reduce_scatter_s,
     sampling_s,
 )
-from planning.call_levels import level_execution, level_splits, split_of
-from planning.dataflow import MFC, ROLES, BatchShape, Graph
+from planning.dataflow import MFC, ROLES, Graph
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
 from planning.offload import check_fractions, normalized, optimizer_parts
@@ -294,20 +296,13 @@ def _pass_time(
     return out
 
 
-def forward_tokens(batch: BatchShape, seqs: float, minibatches: int) -> tuple[float, float]:
-    """(tokens, mean attention context per token) of a replica's forward over `seqs` rows in one
-    of `minibatches` shuffled minibatches. Each prompt its rows share is held once
-    (actors.engine.shared_prefix): a prompt of g rows is in a given minibatch with probability
-    1 - (1 - 1/m)^g and its rows there share one copy (groups cut at micro-batch boundaries are
-    not counted). The held-once prompt tokens attend p/2 keys on average, every answer token
-    still p + its position: sharing removes tokens, not the answers' attention."""
-    p, n = batch.prompt_len, batch.gen_len
-    g, m = batch.prompt_group, max(minibatches, 1)
-    if g <= 1 or p == 0:
-        return seqs * batch.seq_len, batch.seq_len / 2
-    distinct = min(seqs, seqs * m / g * (1.0 - (1.0 - 1.0 / m) ** g))  # prompts among the rows
-    tokens = distinct * p + seqs * n
-    return tokens, (distinct * p * p / 2 + seqs * n * (p + n / 2)) / tokens
+def _shares_prompts(mfc: MFC) -> bool:
+    return mfc.batch.prompt_group > 1 and mfc.batch.prompt_len > 0
+
+
+def _cascade_s(geo: CallGeometry, links: Links, n_micro: int, passes: int) -> float:
+    """The shared prompts' cascade attention: fixed time per block, micro-batch and pass."""
+    return passes * n_micro * geo.stage_layers * CASCADE_OVERHEAD_KERNELS * links.hw.kernel_overhead_s
 
 
 def _forward_backward(
@@ -320,6 +315,8 @@ def _forward_backward(
     steps = mfc.n_minibatches if train else 1
     tokens, ctx = forward_tokens(mfc.batch, seqs, steps)
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, ctx, 3 if train else 1).items()}
+    if _shares_prompts(mfc):
+        parts["cascade_s"] = steps * _cascade_s(geo, links, n_micro, 3 if train else 1)
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
                                                   mfc.with_entropy, links.hw.fused_elementwise)
@@ -331,7 +328,7 @@ def _forward_backward(
         n_all = min(all_seqs, max(1, math.ceil(all_seqs * n_micro / seqs)))
         all_tokens, all_ctx = forward_tokens(mfc.batch, all_seqs, 1)
         forward = _pass_time(geo, layout, links, all_tokens, n_all, all_ctx, 1)
-        parts["recompute_s"] = sum(forward.values())
+        parts["recompute_s"] = sum(forward.values()) + (_cascade_s(geo, links, n_all, 1) if _shares_prompts(mfc) else 0.0)
     if train:
         # Gradients accumulate in fp32 (the optimizer's main_grad, actors.engine.optimizer), the
         # buffer ZeRO-1 reduce-scatters; the updated fp32 master slices are all-gathered back.
@@ -377,7 +374,7 @@ def _generate(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, seqs: i
     steps = traj.decode_steps
     parts["decode_s"] = steps * slots * per_mb_stage
     # The last stage samples every micro-batch every step; it is then the busiest stage.
-    parts["sampling_s"] = steps * slots * sampling_s(spec.vocab_size, mb, layout.tp, links)
+    parts["sampling_s"] = steps * slots * sampling_s(spec.vocab_size, mb, layout.tp, links, mfc.truncated_sampling)
     parts["kernel_overhead_s"] = parts.get("kernel_overhead_s", 0.0) + steps * slots * geo.stage_layers * links.hw.kernel_overhead_s
     parts["setup_s"] = geo.stage_layers * links.hw.generate_setup_s
     parts["tp_comm_s"] = parts.get("tp_comm_s", 0.0) + steps * slots * tp_s

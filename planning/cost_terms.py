@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
 
+from planning.dataflow import BatchShape
 from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.models import ModelSpec, kv_replicated, pipeline_partition, validate_tp
@@ -53,6 +54,16 @@ SAMPLING_BYTES_PER_LOGIT = 22
 # HBM sweeps over the [rows, vocab] fp32 logits per sampling step: scale/softmax, a segmented
 # sort for top-p (a few radix passes over keys + indices), cumsum and the final pick.
 SAMPLING_PASSES = 8
+# Greedy or plain temperature sampling: the head writes the bf16 logits and the fused kernel
+# reads them once (actors.kernels.fused_sampling; ~0.05 s over the peer bench's 512 decode steps
+# of 512 rows, where 8 fp32 sweeps priced 0.51 s).
+FUSED_SAMPLING_BYTES_PER_LOGIT = 4
+# A forward over shared prompts (actors.engine.shared_prefix_attention) runs per block and
+# micro-batch a second FlashAttention call, the merge and two copies, and as many again in the
+# backward: fixed time of about this many kernel launches per block, micro-batch and pass
+# (`HardwareSpec.kernel_overhead_s`; 240-480 us per block and micro-batch measured on an H200
+# across seven shared forwards of 0.5B and 1B models, docs/benchmarks.md, seventh step).
+CASCADE_OVERHEAD_KERNELS = 5
 
 
 @dataclass(frozen=True)
@@ -309,13 +320,31 @@ def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float) -> 
     return projections + kv_read / links.hbm
 
 
-def sampling_s(vocab: int, rows: float, tp: int, links: Links) -> float:
+def forward_tokens(batch: BatchShape, seqs: float, minibatches: int) -> tuple[float, float]:
+    """(tokens, mean attention context per token) of a replica's forward over `seqs` rows in one
+    of `minibatches` shuffled minibatches. Each prompt its rows share is held once
+    (actors.engine.shared_prefix): a prompt of g rows is in a given minibatch with probability
+    1 - (1 - 1/m)^g and its rows there share one copy (groups cut at micro-batch boundaries are
+    not counted). The held-once prompt tokens attend p/2 keys on average, every answer token
+    still p + its position: sharing removes tokens, not the answers' attention."""
+    p, n = batch.prompt_len, batch.gen_len
+    g, m = batch.prompt_group, max(minibatches, 1)
+    if g <= 1 or p == 0:
+        return seqs * batch.seq_len, batch.seq_len / 2
+    distinct = min(seqs, seqs * m / g * (1.0 - (1.0 - 1.0 / m) ** g))  # prompts among the rows
+    tokens = distinct * p + seqs * n
+    return tokens, (distinct * p * p / 2 + seqs * n * (p + n / 2)) / tokens
+
+
+def sampling_s(vocab: int, rows: float, tp: int, links: Links, truncated: bool = False) -> float:
     """One sampling step of `rows` sequences, as `actors.generation.sampling.sample_tensor_parallel` does it:
     under tp, tp rank 0 gathers the vocab-parallel bf16 logits [rows, vocab/tp] of the others
-    and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts); it then
-    samples over [rows, vocab] fp32 logits: softmax, sort for top-p and cumsum, modelled as
-    SAMPLING_PASSES read+write sweeps of HBM (small, but never zero)."""
+    and broadcasts tokens, logprobs and kept counts (3 latency-bound broadcasts). With top-k /
+    top-p (`truncated`) it samples over [rows, vocab] fp32 logits: softmax, sort and cumsum,
+    modelled as SAMPLING_PASSES read+write sweeps of HBM; greedy or plain temperature sampling
+    is one fused kernel reading the bf16 logits the head wrote (actors.kernels.fused_sampling)."""
     comm = 0.0
     if tp > 1:
         comm = links.lat + (tp - 1) * rows * vocab / tp * 2 / links.tp_bw + 3 * links.lat
-    return comm + SAMPLING_PASSES * 2 * rows * vocab * 4 / links.hbm + links.hw.kernel_overhead_s
+    per_logit = SAMPLING_PASSES * 2 * 4 if truncated else FUSED_SAMPLING_BYTES_PER_LOGIT
+    return comm + per_logit * rows * vocab / links.hbm + links.hw.kernel_overhead_s

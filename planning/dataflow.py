@@ -118,6 +118,8 @@ class MFC:
     model_free: an inference call that runs no model: a rule-based reward scored on the workers'
         host threads, or the environments' rewards of multi-turn rollouts. It holds no weights and
         no GPU memory; its time is host time (`planning.cost_terms.MODEL_FREE_S_PER_TOKEN`).
+    truncated_sampling: a generate call sampling with top-k or top-p (sorted rows each step);
+        False: greedy or plain temperature sampling (one fused read of the logits).
     """
 
     name: str
@@ -132,6 +134,7 @@ class MFC:
     with_entropy: bool = False
     multi_turn: MultiTurn | None = None
     model_free: bool = False
+    truncated_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

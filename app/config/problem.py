@@ -82,6 +82,10 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
     if reward_is_model_free(cfg):
         graph = replace(graph, mfcs=tuple(replace(m, model_free=True) if m.role == "reward" else m
                                           for m in graph.mfcs))
+    s = cfg.sampling
+    if s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0):
+        graph = replace(graph, mfcs=tuple(replace(m, truncated_sampling=True) if m.kind == "generate" else m
+                                          for m in graph.mfcs))
     return with_entropy_bonus(graph) if cfg.ppo.entropy_coef > 0 else graph
 
 

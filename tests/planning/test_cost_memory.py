@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from planning.cost import PlanningProblem, call_cost, forward_tokens, rlhf_problem
+from planning.cost import PlanningProblem, call_cost, rlhf_problem
 from planning.cost_terms import (
     ENTROPY_LOGIT_BYTES,
     SAMPLING_BYTES_PER_LOGIT,
     TRAIN_LOGIT_BYTES,
     activation_bytes_per_token_layer,
+    forward_tokens,
     inference_bytes_per_token_layer,
 )
 from planning.dataflow import BatchShape, outcome_graph, with_entropy_bonus
