@@ -67,7 +67,7 @@ def test_inference_working_set_is_one_block_or_the_head_whichever_is_larger() ->
     execution = CallExecution(micro_batch_tokens=tokens)
     # The reference's peak is at its head: bf16 logits read in place by the fused logprob kernel
     # (not float32), beside the final hidden states and their norm. Its micro-batches hold each
-    # prompt of 8 rows once (planning.cost.shared_prompt_tokens): 1 - 128 * 7/8 / 640 of the tokens.
+    # prompt of 8 rows once (planning.cost_terms.forward_tokens): 1 - 128 * 7/8 / 640 of the tokens.
     head = tokens * COMPACT * (LLAMA_1B.vocab_size * 2 + 2 * 2048 * 2)
     assert _activation(problem, "ref_inf", execution) == pytest.approx(head)
     # The reward model's head is one column: a block's working set is its peak.
