@@ -1,0 +1,76 @@
+"""How the cost model prices a decode step's sampling (plain: one fused read of the logits;
+top-k / top-p: sorted sweeps) and the shared prompts' cascade attention in forwards."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.config import load_config
+from app.config.problem import build_graph
+from planning.cost import call_cost, rlhf_problem
+from planning.cost_terms import (
+    CASCADE_OVERHEAD_KERNELS,
+    FUSED_SAMPLING_BYTES_PER_LOGIT,
+    SAMPLING_PASSES,
+    Links,
+    sampling_s,
+)
+from planning.dataflow import BatchShape, grpo_graph
+from planning.hardware import hardware_preset
+from planning.layout import ClusterSpec, Layout, Mesh
+from planning.models import model_preset
+from planning.plan import CallExecution, Placement
+from tests.planning.test_model_free_calls import BASE
+
+pytestmark = pytest.mark.unit
+
+ONE_GPU = Placement(Mesh(0, 1, 1), Layout(1, 1, 1))
+H200 = hardware_preset("h200-141g")
+
+
+def _problem():  # noqa: ANN202 - a PlanningProblem
+    graph = grpo_graph(BatchShape(64, 128, 512), 8)
+    return rlhf_problem(graph, ClusterSpec(1, 1, H200), model_preset("llama3.2-1b"))
+
+
+def test_config_marks_truncated_sampling_on_the_generate_calls(tmp_path: Path) -> None:
+    def graph(sampling: str):  # noqa: ANN202
+        path = tmp_path / "c.yaml"
+        path.write_text(BASE + sampling)
+        return build_graph(load_config(path))
+
+    assert not any(m.truncated_sampling for m in graph("").mfcs)  # temperature 1, top_p 1, top_k 0
+    for knob in ("sampling: {top_p: 0.9}\n", "sampling: {top_k: 50}\n"):
+        marked = graph(knob)
+        assert all(m.truncated_sampling == (m.kind == "generate") for m in marked.mfcs), knob
+    assert not any(m.truncated_sampling for m in graph("sampling: {temperature: 0, top_k: 50}\n").mfcs)  # greedy
+
+
+def test_plain_sampling_reads_the_logits_once() -> None:
+    problem = _problem()
+    links = Links(H200, problem.efficiency, ONE_GPU)
+    rows, vocab = 512, 128256
+    plain, truncated = (sampling_s(vocab, rows, 1, links, t) for t in (False, True))
+    assert plain - H200.kernel_overhead_s == pytest.approx(FUSED_SAMPLING_BYTES_PER_LOGIT * rows * vocab / links.hbm)
+    assert truncated - H200.kernel_overhead_s == pytest.approx(SAMPLING_PASSES * 8 * rows * vocab / links.hbm)
+    gen = problem.graph.mfc("actor_gen")
+    rounds = CallExecution(gen_rounds=1)
+    cheap, sorted_ = (call_cost(problem, replace(gen, truncated_sampling=t), ONE_GPU, execution=rounds) for t in
+                      (False, True))
+    # Every decode step pays its sampling: the call's term scales with the step's, and only it moves.
+    assert sorted_.breakdown["sampling_s"] / cheap.breakdown["sampling_s"] == pytest.approx(truncated / plain)
+    assert sorted_.time_s - cheap.time_s == pytest.approx(sorted_.breakdown["sampling_s"] - cheap.breakdown["sampling_s"])
+    assert cheap.breakdown["sampling_s"] < 0.1 < sorted_.breakdown["sampling_s"]  # 512 steps of 512 rows
+
+
+def test_shared_prompt_forwards_pay_the_cascade_per_block_and_micro_batch() -> None:
+    problem = _problem()
+    execution = CallExecution(micro_batch_tokens=16384)
+    train = call_cost(problem, problem.graph.mfc("actor_train"), ONE_GPU, execution=execution).breakdown
+    n_micro, layers = train["micro_batches"], problem.models["actor"].spec.n_layers
+    assert train["cascade_s"] == pytest.approx(3 * n_micro * layers * CASCADE_OVERHEAD_KERNELS * H200.kernel_overhead_s)
+    whole = replace(problem.graph.mfc("actor_train"), batch=BatchShape(512, 128, 512))  # one sample per prompt
+    assert "cascade_s" not in call_cost(problem, whole, ONE_GPU, execution=execution).breakdown
