@@ -325,8 +325,10 @@ def forward_tokens(batch: BatchShape, seqs: float, minibatches: int) -> tuple[fl
     of `minibatches` shuffled minibatches. Each prompt its rows share is held once
     (actors.engine.shared_prefix): a prompt of g rows is in a given minibatch with probability
     1 - (1 - 1/m)^g and its rows there share one copy (groups cut at micro-batch boundaries are
-    not counted). The held-once prompt tokens attend p/2 keys on average, every answer token
-    still p + its position: sharing removes tokens, not the answers' attention."""
+    not counted; DPO's pairs, which its minibatches keep whole, are priced as shuffled rows too:
+    a little less sharing than runs). The held-once prompt tokens attend p/2 keys on average,
+    every answer token still p + its position: sharing removes tokens, not the answers'
+    attention."""
     p, n = batch.prompt_len, batch.gen_len
     g, m = batch.prompt_group, max(minibatches, 1)
     if g <= 1 or p == 0:

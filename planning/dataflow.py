@@ -336,9 +336,10 @@ def grpo_graph(batch: BatchShape, group_size: int, ppo_minibatches: int = 1,
 def dpo_graph(batch: BatchShape) -> Graph:
     """DPO: reference logprobs of chosen and rejected answers, then actor training on the pairs.
 
-    batch.n_seqs is the number of pairs; each call sees 2 * n_seqs sequences.
+    batch.n_seqs is the number of pairs; each call sees 2 * n_seqs sequences, a pair's two
+    answers after one prompt (held once per micro-batch: prompt_group 2).
     """
-    pairs = BatchShape(2 * batch.n_seqs, batch.prompt_len, batch.gen_len)
+    pairs = BatchShape(2 * batch.n_seqs, batch.prompt_len, batch.gen_len, prompt_group=2)
     return Graph("dpo", (
         MFC("ref_inf", "ref", "inference", ("pairs",), ("ref_logprobs",), pairs),
         MFC("actor_train", "actor", "train", ("pairs", "ref_logprobs"), ("actor_stats",), pairs),

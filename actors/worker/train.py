@@ -325,7 +325,10 @@ def load_pairs(ctx: CallContext, inputs: Sequence[dict | None]) -> SequenceBatch
     cols = merge_shards(inputs, range(n_rows), ["prompt_ids", "response_ids", "ref_logprobs"])
     tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
     ref_logps = torch.stack([t.float().sum() for t in cols["ref_logprobs"]])
-    return SequenceBatch(tokens, tuple(lengths), {"mask": mask}, {"ref_logps": ref_logps}, group_size=2)
+    # A pair's two answers follow one prompt: a micro-batch holds it once (actors.engine.shared_prefix).
+    shared = tuple(t.numel() for t in cols["prompt_ids"]) if bool(ctx.params.get("share_prompts", True)) else None
+    return SequenceBatch(tokens, tuple(lengths), {"mask": mask}, {"ref_logps": ref_logps}, group_size=2,
+                         prefix_lengths=shared)
 
 
 def pair_minibatches(ctx: CallContext, n_pairs: int, epoch: int) -> list[list[int]]:
