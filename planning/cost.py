@@ -296,12 +296,11 @@ def _pass_time(
     return out
 
 
-def _shares_prompts(mfc: MFC) -> bool:
-    return mfc.batch.prompt_group > 1 and mfc.batch.prompt_len > 0
-
-
-def _cascade_s(geo: CallGeometry, links: Links, n_micro: int, passes: int) -> float:
-    """The shared prompts' cascade attention: fixed time per block, micro-batch and pass."""
+def _cascade_s(mfc: MFC, geo: CallGeometry, links: Links, n_micro: int, passes: int) -> float:
+    """The shared prompts' cascade attention: fixed time per block, micro-batch and pass (0
+    where the rows share no prompt)."""
+    if mfc.batch.prompt_group <= 1 or mfc.batch.prompt_len == 0:
+        return 0.0
     return passes * n_micro * geo.stage_layers * CASCADE_OVERHEAD_KERNELS * links.hw.kernel_overhead_s
 
 
@@ -315,8 +314,8 @@ def _forward_backward(
     steps = mfc.n_minibatches if train else 1
     tokens, ctx = forward_tokens(mfc.batch, seqs, steps)
     parts = {k: steps * v for k, v in _pass_time(geo, layout, links, tokens, n_micro, ctx, 3 if train else 1).items()}
-    if _shares_prompts(mfc):
-        parts["cascade_s"] = steps * _cascade_s(geo, links, n_micro, 3 if train else 1)
+    if cascade := _cascade_s(mfc, geo, links, n_micro, 3 if train else 1):
+        parts["cascade_s"] = steps * cascade
     parts["weights_bytes"] = 2.0 * geo.stage_params
     parts["activation_bytes"] = activation_bytes(geo, layout, tokens / n_micro, min(layout.pp, n_micro), train,
                                                   mfc.with_entropy, links.hw.fused_elementwise)
@@ -328,7 +327,7 @@ def _forward_backward(
         n_all = min(all_seqs, max(1, math.ceil(all_seqs * n_micro / seqs)))
         all_tokens, all_ctx = forward_tokens(mfc.batch, all_seqs, 1)
         forward = _pass_time(geo, layout, links, all_tokens, n_all, all_ctx, 1)
-        parts["recompute_s"] = sum(forward.values()) + (_cascade_s(geo, links, n_all, 1) if _shares_prompts(mfc) else 0.0)
+        parts["recompute_s"] = sum(forward.values()) + _cascade_s(mfc, geo, links, n_all, 1)
     if train:
         # Gradients accumulate in fp32 (the optimizer's main_grad, actors.engine.optimizer), the
         # buffer ZeRO-1 reduce-scatters; the updated fp32 master slices are all-gathered back.

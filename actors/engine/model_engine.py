@@ -144,6 +144,14 @@ class SequenceBatch:
         return MicroBatch(self.tokens.to(device), packed, data)
 
 
+def _about_next_token(per_position: Tensor, mb: MicroBatch) -> Tensor:
+    """Head outputs about the next token -> [T_mb] per (row) token in the token convention: shifted
+    by one inside each sequence, or through the row map of a compact micro-batch."""
+    if mb.rows is None:
+        return shift_to_token_positions(per_position, mb.packed.cu_seqlens)
+    return rows_per_token(per_position, mb.packed, mb.rows)
+
+
 class ModelEngine:
     """One rank's shard of an actor or critic, its groups and (for training) its optimizer.
 
@@ -228,20 +236,15 @@ class ModelEngine:
     # ---- heads -------------------------------------------------------------------------------------
     def _per_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
         """Head output -> float32 [T_mb] in the token convention (see module docstring)."""
-        if mb.rows is not None:
-            return self._per_row_token(out, mb, temperature, shift)
         if self.critic:
-            return shift_to_token_positions(out, mb.packed.cu_seqlens) if shift else out
-        return token_logprobs(out, mb.tokens, mb.packed.cu_seqlens, self.groups.tp_group, temperature)
-
-    def _per_row_token(self, out: Tensor, mb: MicroBatch, temperature: float, shift: bool) -> Tensor:
-        """Head output [T_c + B, ...] of a compact micro-batch -> float32 [T_rows] per row token."""
-        assert mb.rows is not None
-        if self.critic:
-            return rows_per_token(out, mb.packed, mb.rows) if shift else rows_at_positions(out, mb.rows)
+            if not shift:
+                return out if mb.rows is None else rows_at_positions(out, mb.rows)
+            return _about_next_token(out, mb)
+        if mb.rows is None:
+            return token_logprobs(out, mb.tokens, mb.packed.cu_seqlens, self.groups.tp_group, temperature)
+        # A compact micro-batch's head rows [T_c + B]: each predicts its own target (shared_prefix).
         targets = head_targets(mb.tokens, mb.packed, mb.rows)
-        per_position = vocab_parallel_logprobs(out, targets, self.groups.tp_group, temperature)
-        return rows_per_token(per_position, mb.packed, mb.rows)
+        return _about_next_token(vocab_parallel_logprobs(out, targets, self.groups.tp_group, temperature), mb)
 
     # ---- training ----------------------------------------------------------------------------------
     def backward_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,
@@ -261,9 +264,7 @@ class ModelEngine:
         def micro_loss(out: Tensor, mb: MicroBatch) -> Tensor:
             data = dict(mb.data)
             if with_entropy and not self.critic:
-                entropy = vocab_parallel_entropy(out, self.groups.tp_group, temperature)
-                data["entropy"] = (shift_to_token_positions(entropy, mb.packed.cu_seqlens) if mb.rows is None
-                                   else rows_per_token(entropy, mb.packed, mb.rows))
+                data["entropy"] = _about_next_token(vocab_parallel_entropy(out, self.groups.tp_group, temperature), mb)
             result = loss_fn(self._per_token(out, mb, temperature, shift_values), data)
             sums.append(result)
             return result.loss

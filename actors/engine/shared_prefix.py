@@ -57,9 +57,7 @@ def prefix_groups(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     row keeps a suffix of at least one token. tokens: int64 [sum(lengths)] on the host."""
     if len(prefix_lengths) != len(lengths):
         raise ValueError(f"prefix_lengths: {len(prefix_lengths)} entries for {len(lengths)} sequences")
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + int(n))
+    starts = _row_starts(lengths)
     groups: list[tuple[int, int, int]] = []
     first = 0
     for row in range(1, len(lengths) + 1):
@@ -72,6 +70,14 @@ def prefix_groups(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
         groups.append((first, row, max(shared, 0)))
         first = row
     return groups
+
+
+def _row_starts(lengths: Sequence[int]) -> list[int]:
+    """[0, l_0, l_0 + l_1, ..., T]: where each row starts in the packed tokens."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + int(n))
+    return starts
 
 
 def _arange_from(start: int, n: int) -> Tensor:
@@ -87,9 +93,7 @@ def shared_layout(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     groups = prefix_groups(tokens, lengths, prefix_lengths)
     if all(end - first < 2 for first, end, _ in groups) or any(shared < 1 for _, _, shared in groups):
         return None
-    row_starts = [0]
-    for n in lengths:
-        row_starts.append(row_starts[-1] + int(n))
+    row_starts = _row_starts(lengths)
     n_prefix = sum(shared for _, _, shared in groups)
     prefix_pos, suffix_pos = 0, n_prefix  # next free compact position of each region
     ids, positions, index, first_suffix, head_rows = [], [], [], [], []

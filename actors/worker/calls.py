@@ -192,10 +192,16 @@ def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str 
     prompts, responses = cols[f"{prefix}prompt_ids"], cols[f"{prefix}response_ids"]
     tokens, lengths, _ = pack_rows(prompts, responses)
     plens = [t.numel() for t in prompts]
-    # Rows of one prompt sit next to each other: the engine can hold each prompt once
-    # (actors.engine.shared_prefix; params['share_prompts'] false: every row whole).
-    shared = tuple(plens) if bool(ctx.params.get("share_prompts", True)) else None
-    return SequenceBatch(tokens, tuple(lengths), prefix_lengths=shared), plens, [t.numel() for t in responses]
+    # Rows of one prompt sit next to each other: the engine can hold each prompt once.
+    batch = SequenceBatch(tokens, tuple(lengths), prefix_lengths=shareable_prefixes(ctx, plens))
+    return batch, plens, [t.numel() for t in responses]
+
+
+def shareable_prefixes(ctx: CallContext, prompt_lengths: Sequence[int]) -> tuple[int, ...] | None:
+    """`SequenceBatch.prefix_lengths` for rows with these prompt lengths: a micro-batch then holds
+    a prompt its neighbouring rows share once (actors.engine.shared_prefix); None with
+    params['share_prompts'] false (every row whole)."""
+    return tuple(int(n) for n in prompt_lengths) if bool(ctx.params.get("share_prompts", True)) else None
 
 
 def micro_batching(ctx: CallContext) -> MicroBatching:
@@ -301,6 +307,6 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
 
 __all__ = [
     "KINDS", "CallContext", "CallSpec", "decode_rows", "default_op", "micro_batching", "owner_result",
-    "retokenized_batch", "reward_text_bridge", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values",
+    "retokenized_batch", "reward_text_bridge", "run_logprobs", "run_model_reward", "run_rule_reward", "run_values", "shareable_prefixes",
     "shard_of_my_rows", "timed",
 ]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from actors.engine import SequenceBatch
-from actors.worker.calls import CallContext
+from actors.worker.calls import CallContext, shareable_prefixes
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows, scatter_responses
 
 
@@ -69,9 +69,8 @@ def load_rollout(ctx: CallContext, inputs: Sequence[dict | None], need: Sequence
 def prompt_batch(ctx: CallContext, r: Rollout, token_data: dict[str, Tensor] | None = None) -> SequenceBatch:
     """The rollout's rows as a batch; with params['share_prompts'] (default true) the engine holds
     each prompt its neighbouring rows share once per micro-batch (actors.engine.shared_prefix)."""
-    share = bool(ctx.params.get("share_prompts", True))
-    return SequenceBatch(r.tokens, r.lengths, token_data or {},
-                         prefix_lengths=r.prompt_lengths if share else None)
+    prefixes = None if r.prompt_lengths is None else shareable_prefixes(ctx, r.prompt_lengths)
+    return SequenceBatch(r.tokens, r.lengths, token_data or {}, prefix_lengths=prefixes)
 
 
 __all__ = ["Rollout", "load_rollout", "prompt_batch"]

@@ -64,7 +64,7 @@ from actors.worker.behaviour import (
     logprobs_before_step,
     reuses_forward_logprobs,
 )
-from actors.worker.calls import CallContext, micro_batching
+from actors.worker.calls import CallContext, micro_batching, shareable_prefixes
 from actors.worker.data import cu_seqlens_of, merge_shards, pack_rows
 from actors.worker.guards import check_update
 from actors.worker.rollout import Rollout, load_rollout, prompt_batch
@@ -326,9 +326,8 @@ def load_pairs(ctx: CallContext, inputs: Sequence[dict | None]) -> SequenceBatch
     tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
     ref_logps = torch.stack([t.float().sum() for t in cols["ref_logprobs"]])
     # A pair's two answers follow one prompt: a micro-batch holds it once (actors.engine.shared_prefix).
-    shared = tuple(t.numel() for t in cols["prompt_ids"]) if bool(ctx.params.get("share_prompts", True)) else None
     return SequenceBatch(tokens, tuple(lengths), {"mask": mask}, {"ref_logps": ref_logps}, group_size=2,
-                         prefix_lengths=shared)
+                         prefix_lengths=shareable_prefixes(ctx, [t.numel() for t in cols["prompt_ids"]]))
 
 
 def pair_minibatches(ctx: CallContext, n_pairs: int, epoch: int) -> list[list[int]]:
