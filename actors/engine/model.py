@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from actors.engine.attention import KVCache, packed_attention
 from actors.engine.packing import PackedBatch
 from actors.engine.shared_prefix_attention import shared_prefix_attention
-from actors.engine.tp_layers import Linear, linear
 from planning.models import ModelSpec
 
 # ---- elementwise work, eager or fused ---------------------------------------------------------
@@ -140,10 +139,10 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_window
         self.backend = "auto"
         self.fuse_elementwise = False
-        self.q_proj = Linear(h, spec.n_heads * d, bias=spec.qkv_bias, device=device)
-        self.k_proj = Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
-        self.v_proj = Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
-        self.o_proj = Linear(spec.n_heads * d, h, bias=False, device=device)
+        self.q_proj = nn.Linear(h, spec.n_heads * d, bias=spec.qkv_bias, device=device)
+        self.k_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
+        self.v_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
+        self.o_proj = nn.Linear(spec.n_heads * d, h, bias=False, device=device)
 
     def kv_index(self, device: torch.device) -> Tensor | None:
         """[n_heads] KV head of each local query head, or None when it is the plain GQA repeat."""
@@ -161,7 +160,7 @@ class Attention(nn.Module):
         if fused_qkv is not None:
             # Decode with the cache's concatenated [q; k; v] weight: one GEMM instead of three
             # (M = batch rows is small, so each projection alone is latency-bound).
-            qkv = linear(x, *fused_qkv).view(T, n_q + 2 * n_kv, d)
+            qkv = F.linear(x, *fused_qkv).view(T, n_q + 2 * n_kv, d)
             qk, v = pick(apply_rotary, self.fuse_elementwise)(qkv[:, : n_q + n_kv], cos, sin), qkv[:, n_q + n_kv :]
             return qk[:, :n_q], qk[:, n_q:], v
         q = self.q_proj(x).view(T, n_q, d)
@@ -200,9 +199,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str | None = None) -> None:
         super().__init__()
         h, f = spec.hidden_size, spec.intermediate_size
-        self.gate_proj = Linear(h, f, bias=False, device=device)
-        self.up_proj = Linear(h, f, bias=False, device=device)
-        self.down_proj = Linear(f, h, bias=False, device=device)
+        self.gate_proj = nn.Linear(h, f, bias=False, device=device)
+        self.up_proj = nn.Linear(h, f, bias=False, device=device)
+        self.down_proj = nn.Linear(f, h, bias=False, device=device)
         self.fuse_elementwise = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -392,19 +391,6 @@ class Transformer(nn.Module):
         return F.linear(hidden, self.model.embed_tokens.weight)
 
 
-__all__ = [
-    "MLP",
-    "Attention",
-    "DecoderLayer",
-    "DecoderTrunk",
-    "RMSNorm",
-    "Transformer",
-    "add_rms_norm",
-    "apply_rotary",
-    "init_param_tensor",
-    "rms_norm",
-    "rope_cos_sin",
-    "rope_inv_freq",
-    "set_elementwise_fusion",
-    "swiglu",
-]
+__all__ = ["Attention", "DecoderLayer", "DecoderTrunk", "MLP", "RMSNorm", "Transformer", "add_rms_norm",
+           "apply_rotary", "init_param_tensor", "rms_norm", "rope_cos_sin", "rope_inv_freq", "set_elementwise_fusion",
+           "swiglu"]

@@ -10,10 +10,6 @@ Region mappings (x is replicated on every tp rank unless said otherwise):
   reduce_from_tp_region  forward all-reduce (sum),     backward identity
   gather_from_tp_region  forward all-gather last dim,  backward keep own slice
   scatter_to_tp_region   forward keep own slice,       backward all-gather last dim
-
-Every projection runs through `linear`: cuBLAS, or the Triton GEMM of
-actors.kernels.skinny_matmul for inference batches of a few hundred rows on CUDA (a decode step),
-where it is faster. `Linear` is nn.Linear with that forward (the single-GPU model's projections).
 """
 
 from __future__ import annotations
@@ -25,22 +21,6 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from actors.engine.process_groups import group_rank, group_size
-from actors.kernels.skinny_matmul import skinny_fits, skinny_linear
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., in] @ weight[out, in]^T (+ bias) -> [..., out]; the rule for the Triton path is
-    `skinny_fits` (CUDA, no autograd, bf16/fp16, 256-1024 rows, out and in <= 16,384)."""
-    if skinny_fits(x, weight):
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, names and init) whose forward is `linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
@@ -151,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.local_out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -180,7 +160,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = reduce_from_tp_region(linear(x, self.weight), self.group)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -237,7 +217,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, replicated"
@@ -261,7 +241,7 @@ class TiedVocabParallelHead(nn.Module):
 
 
 __all__ = [
-    "ColumnParallelLinear", "Linear", "ReplicatedLinear", "RowParallelLinear", "TiedVocabParallelHead",
+    "ColumnParallelLinear", "ReplicatedLinear", "RowParallelLinear", "TiedVocabParallelHead",
     "VocabParallelEmbedding",
-    "copy_to_tp_region", "gather_from_tp_region", "linear", "reduce_from_tp_region", "scatter_to_tp_region",
+    "copy_to_tp_region", "gather_from_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
 ]
