@@ -156,7 +156,8 @@ def test_dead_worker_ends_the_run_naming_call_and_worker(ray_session: None, tmp_
 
 
 def test_stalled_worker_times_out_naming_call_and_worker(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
-    cfg = tiny_config(tmp_path, "run.iterations=2", "run.call_timeout_s=10", "checkpoint.at_end=false",
+    # 20 s: the bound covers loading the models too, which took over 10 s on a busy 2-core machine.
+    cfg = tiny_config(tmp_path, "run.iterations=2", "run.call_timeout_s=20", "checkpoint.at_end=false",
                       "run.max_restarts=0")
     driver = Driver(cfg, tmp_path, worker_cls=StallingWorker)
     started = time.monotonic()
