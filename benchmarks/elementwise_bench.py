@@ -9,7 +9,8 @@ divisions. This bench times each function's forward and forward + backward at a 
 the peer bench (20,480 tokens of Llama-3.2-1B) three ways:
 
     eager            the plain torch functions
-    all-dynamic      torch.compile(fn, dynamic=True, fullgraph=True), what the engine runs
+    all-dynamic      actors.engine.model.fused(fn): torch.compile(fn, dynamic=True,
+                     fullgraph=True), what the engine runs
     token-dynamic    torch.compile(fn, dynamic=False, fullgraph=True) with only the token
                      dimension marked dynamic (torch._dynamo.mark_dynamic(x, 0)), as a
                      micro-batch's token count is the only size that changes
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engine.model import add_rms_norm, apply_rotary, rms_norm, swiglu
+from actors.engine.model import add_rms_norm, apply_rotary, fused, rms_norm, swiglu
 
 HBM_BYTES_PER_S = 4.3e12
 VARIANTS = ("eager", "all-dynamic", "token-dynamic")
@@ -59,15 +60,15 @@ def variant_fn(fn: Callable[..., object], variant: str) -> Callable[..., object]
     if variant == "eager":
         return fn
     if variant == "all-dynamic":
-        return torch.compile(fn, dynamic=True, fullgraph=True)
+        return fused(fn)
     return token_dynamic(fn)
 
 
 def cases(tokens: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int,
           device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable[..., object], Callable[[int], tuple]]]:
-    """name -> (function, inputs at a token count: tensors needing grad first, then the rest)."""
-    def randn(*shape: int, grad: bool = True) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+    """name -> (function, its inputs at a token count; cos/sin need no gradient, the rest do)."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
 
     def rope(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.rand(t, head_dim // 2, device=device) * 6.28
@@ -112,7 +113,7 @@ def timed(fn: Callable[[], None], steps: int, cuda: bool) -> float:
 
 
 def measure(name: str, fn: Callable[..., object], make: Callable[[int], tuple], tokens: int, steps: int,
-            cuda: bool) -> list[tuple[str, str, float, float, float, float]]:
+            cuda: bool) -> list[tuple[str, str, float, float, float, float, float]]:
     """Rows (case, variant, forward us, forward GB/s, forward+backward us, GB/s, max diff to eager)."""
     torch.manual_seed(0)
     args = make(tokens)
