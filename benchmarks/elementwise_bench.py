@@ -1,24 +1,24 @@
-"""The fused elementwise functions of a block (actors/engine/model.py), compiled two ways, against HBM.
+"""The fused elementwise functions of the engine, compiled two ways, against HBM bandwidth.
 
-The training profile of the peer bench's call (docs/benchmarks.md, issue 27, eighth step) has
-the rotary kernels at about a fifth of the HBM bandwidth (245 us per layer and micro-batch for
-q and k, where their bytes need ~50 us), while the norms and the SiLU gate run near it. The
-engine compiles each function with `dynamic=True` (actors.engine.model.fused), which makes every
-dimension symbolic, head count and head_dim included: the kernels then index with runtime
-divisions. This bench times each function's forward and forward + backward at a micro-batch of
-the peer bench (20,480 tokens of Llama-3.2-1B) three ways:
+Each function (actors/engine/model.py; the shared-prefix attention merge of
+actors/engine/shared_prefix_attention.py) is timed forward and forward + backward at a
+micro-batch of the peer bench (20,480 tokens of Llama-3.2-1B), three ways:
 
     eager            the plain torch functions
-    all-dynamic      actors.engine.model.fused(fn): torch.compile(fn, dynamic=True,
-                     fullgraph=True), what the engine runs
-    token-dynamic    torch.compile(fn, dynamic=False, fullgraph=True) with only the token
-                     dimension marked dynamic (torch._dynamo.mark_dynamic(x, 0)), as a
-                     micro-batch's token count is the only size that changes
+    all-dynamic      torch.compile(fn, dynamic=True, fullgraph=True): every size symbolic,
+                     head count and head_dim included, as the engine compiled them up to
+                     c591b44 (the kernels index with runtime divisions)
+    token-dynamic    actors.engine.fusion.fused(fn), what the engine runs now: only the token
+                     dimension symbolic, the other sizes compiled in
 
 and prints GB/s of the bytes each must move (inputs read, outputs written; backward: saved
 inputs and output gradients read, input gradients written) against 4.3 TB/s, with the largest
-difference to eager. Each compiled variant is first called at two token counts, so it is
-compiled for the changing size before it is timed.
+difference to eager. On CUDA the times are the GPU kernels' own (the profiler's sum of kernel
+durations): a compiled function's host overhead overlaps the GPU in the engine, and timing the
+wall clock of one small call measures that overhead instead. Each compiled variant is first
+called at two token counts, so it is compiled for the changing size before it is timed, and
+must then run a third token count without recompiling. The merge runs forward only (the
+cascade's backward does not differentiate it).
 
     python3 benchmarks/elementwise_bench.py            # GPU, bf16
     python3 benchmarks/elementwise_bench.py --cpu --tiny   # a functional check (float32, CPU)
@@ -36,39 +36,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engine.model import add_rms_norm, apply_rotary, fused, rms_norm, swiglu
+from actors.engine.fusion import fused
+from actors.engine.model import add_rms_norm, apply_rotary, rms_norm, swiglu
+from actors.engine.shared_prefix_attention import merge_partials
 
 HBM_BYTES_PER_S = 4.3e12
 VARIANTS = ("eager", "all-dynamic", "token-dynamic")
 
 
-def token_dynamic(fn: Callable[..., object]) -> Callable[..., object]:
-    """fn compiled with static sizes except dim 0 (tokens) of every token-major tensor argument
-    (2-D and up; a norm's weight [H] stays static)."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-
-    def run(*args: object) -> object:
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.dim() > 1:
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
-        return compiled(*args)
-
-    return run
+# Token dimension of each argument of the cases that are not token-major throughout (the
+# merge's lse are [heads, tokens]); the others use fused()'s default (dim 0 of 2-D and up).
+TOKEN_DIMS = {"merge": (0, 1, 0, 1)}
 
 
-def variant_fn(fn: Callable[..., object], variant: str) -> Callable[..., object]:
+def variant_fn(name: str, fn: Callable[..., object], variant: str) -> Callable[..., object]:
     if variant == "eager":
         return fn
     if variant == "all-dynamic":
-        return fused(fn)
-    return token_dynamic(fn)
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+    return fused(fn, TOKEN_DIMS.get(name))
 
 
 def cases(tokens: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int,
           device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable[..., object], Callable[[int], tuple]]]:
     """name -> (function, its inputs at a token count; cos/sin need no gradient, the rest do)."""
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
+    def randn(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+
+    def lse(t: int) -> torch.Tensor:
+        return torch.randn(heads, t, device=device) + 5.0
 
     def rope(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.rand(t, head_dim // 2, device=device) * 6.28
@@ -83,6 +79,8 @@ def cases(tokens: int, hidden: int, inter: int, heads: int, kv_heads: int, head_
         "swiglu": (swiglu, lambda t: (randn(t, inter), randn(t, inter))),
         "rotary q": (apply_rotary, lambda t: (randn(t, heads, head_dim), *rope(t))),
         "rotary k": (apply_rotary, lambda t: (randn(t, kv_heads, head_dim), *rope(t))),
+        "merge": (merge_partials, lambda t: (randn(t, heads, head_dim, grad=False), lse(t),
+                                             randn(t, heads, head_dim, grad=False), lse(t))),
     }
 
 
@@ -99,28 +97,45 @@ def moved_bytes(args: tuple, outs: list[torch.Tensor], backward: bool) -> int:
     return size + out + (out + size + grads if backward else 0)
 
 
-def timed(fn: Callable[[], None], steps: int, cuda: bool) -> float:
+def kernel_seconds(fn: Callable[[], None], steps: int) -> tuple[float, float]:
+    """(GPU kernel seconds, kernels launched) per call of fn, from the profiler: the sum of the
+    kernels' own durations, so host overhead (a compiled function's guards, autograd) and gaps
+    between launches are left out, as they overlap the GPU's work in the engine."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / steps, len(kernels) / steps
+
+
+def timed(fn: Callable[[], None], steps: int, cuda: bool) -> tuple[float, float]:
+    """(seconds, kernels) per call: GPU kernel time on CUDA, wall time on CPU (kernels: 0)."""
     fn()  # compiles (per grad mode) and tunes outside the timing
     fn()
     if cuda:
-        torch.cuda.synchronize()
+        return kernel_seconds(fn, steps)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, 0.0
+
+
+Row = tuple[str, str, float, float, float, float, float, float]
 
 
 def measure(name: str, fn: Callable[..., object], make: Callable[[int], tuple], tokens: int, steps: int,
-            cuda: bool) -> list[tuple[str, str, float, float, float, float, float]]:
-    """Rows (case, variant, forward us, forward GB/s, forward+backward us, GB/s, max diff to eager)."""
+            cuda: bool) -> list[Row]:
+    """Rows (case, variant, forward us, forward GB/s, forward+backward us, GB/s, kernels per
+    forward+backward, max diff to eager); nan for the backward of forward-only cases. Backward
+    goes through torch.autograd.grad, so no .grad accumulation kernels are timed with it."""
     torch.manual_seed(0)
     args = make(tokens)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     reference = [o.detach().float() for o in outputs(fn(*args))]
     rows = []
     for variant in VARIANTS:
-        run = variant_fn(fn, variant)
+        run = variant_fn(name, fn, variant)
         run(*make(tokens - 128))  # compile for a second token count first (the engine's sizes vary)
         outs = outputs(run(*args))
         grads = [torch.randn_like(o) for o in outs]
@@ -131,12 +146,27 @@ def measure(name: str, fn: Callable[..., object], make: Callable[[int], tuple], 
                 run(*args)
 
         def both(run: Callable[..., object] = run, grads: list[torch.Tensor] = grads) -> None:
-            torch.autograd.backward(outputs(run(*args)), grads)
+            torch.autograd.grad(outputs(run(*args)), leaves, grads)
 
-        fwd_s, both_s = timed(forward, steps, cuda), timed(both, steps, cuda)
+        fwd_s, kernels = timed(forward, steps, cuda)
+        both_s = float("nan")  # forward-only cases (the merge)
+        if leaves:
+            both_s, kernels = timed(both, steps, cuda)
+        if variant != "eager":
+            no_recompile(run, make(tokens - 64))
         rows.append((name, variant, fwd_s * 1e6, moved_bytes(args, outs, False) / fwd_s / 1e9,
-                     both_s * 1e6, moved_bytes(args, outs, True) / both_s / 1e9, diff))
+                     both_s * 1e6, moved_bytes(args, outs, True) / both_s / 1e9, kernels, diff))
     return rows
+
+
+def no_recompile(run: Callable[..., object], args: tuple) -> None:
+    """A third token count must reuse the compiled kernels (the engine's token counts vary per
+    micro-batch and a recompile per size would hit dynamo's recompile limit)."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = outputs(run(*args))
+        if leaves:
+            torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
 
 
 def main() -> None:
@@ -155,9 +185,13 @@ def main() -> None:
     where = torch.cuda.get_device_name(0) if cuda else "cpu"
     print(f"\nfused elementwise functions, {shape[0]} tokens (hidden {shape[1]}, intermediate {shape[2]}, "
           f"heads {shape[3]}/{shape[4]} x {shape[5]}), {dtype}, {where}; HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
-    print(f"{'case':<13} {'variant':<14} {'fwd us':>9} {'fwd GB/s':>9} {'f+b us':>9} {'f+b GB/s':>9} {'max diff':>9}")
-    for name, variant, fwd_us, fwd_gbs, both_us, both_gbs, diff in table:
-        print(f"{name:<13} {variant:<14} {fwd_us:>9.1f} {fwd_gbs:>9.0f} {both_us:>9.1f} {both_gbs:>9.0f} {diff:>9.2e}")
+    timing = "GPU kernel time per call (profiler)" if cuda else "wall time per call"
+    print(f"{timing}; f+b = forward and backward; kernels launched per f+b (per forward for the merge)")
+    print(f"{'case':<13} {'variant':<14} {'fwd us':>9} {'fwd GB/s':>9} {'f+b us':>9} {'f+b GB/s':>9} "
+          f"{'kernels':>8} {'max diff':>9}")
+    for name, variant, fwd_us, fwd_gbs, both_us, both_gbs, kernels, diff in table:
+        print(f"{name:<13} {variant:<14} {fwd_us:>9.1f} {fwd_gbs:>9.0f} {both_us:>9.1f} {both_gbs:>9.0f} "
+              f"{kernels:>8.0f} {diff:>9.2e}")
 
 
 if __name__ == "__main__":

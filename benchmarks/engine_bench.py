@@ -43,6 +43,7 @@ from actors.engine.optimizer import AdamWConfig  # noqa: E402
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port, init_local_world  # noqa: E402
 from actors.engine.shared_prefix import prefix_groups  # noqa: E402
 from actors.rl.losses import sft_loss  # noqa: E402
+from benchmarks.gpu_idle import format_report, gpu_idle  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
 
@@ -183,6 +184,7 @@ def print_profile(step: Callable[[], object], title: str, show: bool) -> None:
     print(f"profile of one {title}:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
     print_time_by_kind(prof, title)
+    print(format_report(gpu_idle(prof), title), flush=True)
 
 
 def print_time_by_kind(prof: torch.profiler.profile, title: str) -> None:

@@ -335,7 +335,10 @@ def _forward_backward(
         parts["dp_comm_s"] = steps * 2 * reduce_scatter_s(grad_bytes, layout.dp, links.dp_bw, links.lat)
         shard = geo.stage_params / layout.dp
         parts["optimizer_s"] = steps * (shard * OPTIMIZER_TRAFFIC_PER_PARAM / links.opt_hbm + links.hw.kernel_overhead_s)
-        parts["grad_accumulation_s"] = steps * n_micro * geo.stage_params * GRAD_ACCUMULATION_TRAFFIC_PER_PARAM / links.opt_hbm
+        # The linear layers add their weight gradients into that buffer inside the GEMM
+        # (actors.engine.main_grad_linear); the rest (embedding, head, norms) pass through .grad.
+        hooked = max(0.0, geo.stage_params - geo.stage_layers * geo.layer_matmul_flops / 2)
+        parts["grad_accumulation_s"] = steps * n_micro * hooked * GRAD_ACCUMULATION_TRAFFIC_PER_PARAM / links.opt_hbm
         parts["grad_bytes"] = grad_bytes
         optimizer, host = optimizer_parts(shard, offload, links.hw.host_bw, steps)
         parts.update(optimizer)

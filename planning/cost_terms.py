@@ -34,8 +34,9 @@ MAX_EFFICIENCY = 4.0
 # a 1B model's training call costs ~35 ms more per extra optimizer step; 126 x 1.24B / 4.3 TB/s
 # is 36 ms.
 OPTIMIZER_TRAFFIC_PER_PARAM = 126
-# And per micro-batch of a train call: backward writes each parameter's bf16 gradient (2 bytes),
-# which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
+# And per micro-batch of a train call, for each parameter outside the blocks' linear layers
+# (embedding, head, norms; the linear layers accumulate in their GEMM): backward writes its bf16
+# gradient (2 bytes), which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
 GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # Host seconds per response token of a model-free call (`MFC.model_free`: a rule-based reward
 # decodes every response with the actor's tokenizer and scores it on the workers' host threads).
@@ -105,8 +106,11 @@ class OpEfficiency:
 # worst (13.0% with each run left out of its own fit). gemm > 1 says the FLOP count at 785 TFLOP/s
 # prices the passes a little slow; gemm and elementwise both scale with tokens, so whole-call
 # times pin down their sum better than either (docs/benchmarks.md, issue 27, third step).
+# elementwise 1.07 -> 1.30 (ninth step): with only the token count symbolic in the fused kernels
+# (actors.engine.fusion) the peer bench's non-matmul GPU time fell by ~0.19 s of the training
+# call's 1.43 s term (factor 1.23) and by 0.12 s of a forward's 0.48 s (1.42); 1.30 sits between.
 PRESET_EFFICIENCY: dict[str, OpEfficiency] = {
-    "h200-141g": OpEfficiency(gemm=1.12, decode=1.06, elementwise=1.07),
+    "h200-141g": OpEfficiency(gemm=1.12, decode=1.06, elementwise=1.30),
 }
 
 
@@ -126,8 +130,9 @@ def preset_efficiency(gpu: str) -> OpEfficiency:
 # (the training step's three passes gave within 8% of the same). Decode steps are not charged:
 # their compiled, fused step is fitted as a whole (efficiency `decode`). Since issue 27 the engine
 # fuses these ops on CUDA; fitted to whole calls of 1B-8B models (PRESET_EFFICIENCY) the term
-# keeps about this size (h200 factor 1.07): it also carries what the FLOP count prices too low
-# (attention below the GEMM rate, the logprob kernels), which whole-call times cannot tell apart.
+# kept about this size (h200 factor 1.07, 1.30 since the ninth step): it also carries what the
+# FLOP count prices too low (attention below the GEMM rate, the logprob kernels), which
+# whole-call times cannot tell apart.
 ELEMENTWISE_BYTES_PER_HIDDEN = 140.0
 ELEMENTWISE_BYTES_PER_INTERMEDIATE = 27.0
 

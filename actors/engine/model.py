@@ -13,7 +13,6 @@ values [T] float32 (critic).
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -23,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.engine.attention import KVCache, packed_attention
+from actors.engine.fusion import fused
+from actors.engine.main_grad_linear import Linear
 from actors.engine.packing import PackedBatch
 from actors.engine.shared_prefix_attention import shared_prefix_attention
 from planning.models import ModelSpec
@@ -30,8 +31,9 @@ from planning.models import ModelSpec
 # ---- elementwise work, eager or fused ---------------------------------------------------------
 # Each function below is a chain of memory-bound elementwise kernels in eager mode (RMSNorm alone
 # is six passes over [T, H]). With fusion on (`set_elementwise_fusion`, on by default for CUDA
-# shards: actors.engine.parallelize) the same function runs through torch.compile, which emits one
-# kernel for the forward and one for the backward, with the matmuls left to cuBLAS around them.
+# shards: actors.engine.parallelize) the same function runs through actors.engine.fusion.fused
+# (torch.compile, the token count symbolic), which emits one kernel for the forward and one for
+# the backward, with the matmuls left to cuBLAS around them.
 # Values agree with eager to the rounding of the intermediates (the fused kernel keeps them in
 # float32). The CPU path (every parity test) is eager.
 
@@ -52,12 +54,6 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up, [T, F]."""
     return F.silu(gate) * up
-
-
-@functools.cache
-def fused(fn: Callable[..., object]) -> Callable[..., object]:
-    """`fn` compiled once per process (dynamic shapes: one kernel serves every token count)."""
-    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def pick(fn: Callable[..., object], fuse: bool) -> Callable[..., object]:
@@ -139,10 +135,10 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_window
         self.backend = "auto"
         self.fuse_elementwise = False
-        self.q_proj = nn.Linear(h, spec.n_heads * d, bias=spec.qkv_bias, device=device)
-        self.k_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
-        self.v_proj = nn.Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
-        self.o_proj = nn.Linear(spec.n_heads * d, h, bias=False, device=device)
+        self.q_proj = Linear(h, spec.n_heads * d, bias=spec.qkv_bias, device=device)
+        self.k_proj = Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
+        self.v_proj = Linear(h, spec.n_kv_heads * d, bias=spec.qkv_bias, device=device)
+        self.o_proj = Linear(spec.n_heads * d, h, bias=False, device=device)
 
     def kv_index(self, device: torch.device) -> Tensor | None:
         """[n_heads] KV head of each local query head, or None when it is the plain GQA repeat."""
@@ -199,9 +195,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str | None = None) -> None:
         super().__init__()
         h, f = spec.hidden_size, spec.intermediate_size
-        self.gate_proj = nn.Linear(h, f, bias=False, device=device)
-        self.up_proj = nn.Linear(h, f, bias=False, device=device)
-        self.down_proj = nn.Linear(f, h, bias=False, device=device)
+        self.gate_proj = Linear(h, f, bias=False, device=device)
+        self.up_proj = Linear(h, f, bias=False, device=device)
+        self.down_proj = Linear(f, h, bias=False, device=device)
         self.fuse_elementwise = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -283,7 +279,7 @@ class Transformer(nn.Module):
         self.lm_head: nn.Module | None = None
         self.score: nn.Module | None = None
         if critic:
-            self.score = nn.Linear(spec.hidden_size, 1, bias=False, device=device)
+            self.score = Linear(spec.hidden_size, 1, bias=False, device=device)
         elif not spec.tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device=device)
         self.embeds_tokens = True

@@ -26,7 +26,10 @@ un-normalised sum, so a bf16 `.grad` that accumulated them would be rounded to b
 addition (relative error growing with the micro-batch count). Inside the context, a hook moves
 each low-precision parameter's `.grad` after every backward into an fp32 buffer [N_pad] laid out
 like the flat gradient of step 1 (Megatron's main_grad) and frees it; step 1 then reads that
-buffer. fp32 parameters (CPU runs) accumulate in their own `.grad` as before.
+buffer. Each such parameter also carries its view of the buffer as `param.main_grad` there, and
+the linear layers (actors/engine/main_grad_linear.py) add their weight gradient into it directly,
+in the GEMM, so their `.grad` and the hook's extra pass never happen. fp32 parameters (CPU runs)
+accumulate in their own `.grad` as before.
 """
 
 from __future__ import annotations
@@ -162,14 +165,17 @@ class ShardedAdamW:
         if self.main_grad is None:
             dp = group_size(self.dp_group)
             self.main_grad = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.device)
-        main = self.main_grad
-        handles = [p.register_post_accumulate_grad_hook(_mover(main[offset:offset + p.numel()].view(p.shape)))
-                   for p, offset in low]
+        views = [(p, self.main_grad[offset:offset + p.numel()].view(p.shape)) for p, offset in low]
+        handles = [p.register_post_accumulate_grad_hook(_mover(view)) for p, view in views]
+        for p, view in views:
+            p.main_grad = view  # linear layers add their weight gradient here (main_grad_linear)
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            for p, _ in views:
+                del p.main_grad
 
     def grad_of(self, name: str) -> Tensor | None:
         """The gradient accumulated so far for parameter `name`: its fp32 main_grad view inside

@@ -22,7 +22,6 @@ Shapes: q [T_c, Hq, D]; k, v [T_c, Hkv, D]; lse [Hq, T] float32 (FlashAttention'
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from actors.engine.attention import packed_causal_mask, resolve_backend, varlen_gqa_mode
+from actors.engine.fusion import fused
 from actors.engine.packing import PackedBatch
 
 # (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [Hq, T_q], rng state)
@@ -79,16 +79,12 @@ def _flash_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return dq, dk, dv
 
 
-@functools.cache
-def _compiled_merge() -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
-    # Eager, the merge is ~10 elementwise passes over [T, H, D] (float32 copies, products, the
-    # sum, the cast): 0.8 ms per layer and micro-batch at the peer bench's shape. Compiled once
-    # per process (dynamic shapes), one kernel reads both partials and writes the result.
-    return torch.compile(merge_partials, dynamic=True, fullgraph=True)
-
-
 def _fused_merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    return _compiled_merge()(o_a, lse_a, o_b, lse_b)
+    # Eager, the merge is ~10 elementwise passes over [T, H, D] (float32 copies, products, the
+    # sum, the cast): 0.8 ms per layer and micro-batch at the peer bench's shape. Fused, one
+    # kernel reads both partials and writes the result; tokens are dim 0 of the outputs [T, H, D]
+    # and dim 1 of the lse [H, T].
+    return fused(merge_partials, (0, 1, 0, 1))(o_a, lse_a, o_b, lse_b)
 
 
 FLASH_KERNELS = CascadeKernels(_flash_forward, _flash_backward, _fused_merge)

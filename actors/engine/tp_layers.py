@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from actors.engine.main_grad_linear import linear
 from actors.engine.process_groups import group_rank, group_size
 
 
@@ -131,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.local_out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        y = linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -160,7 +161,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp_region(linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -217,7 +218,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, replicated"
