@@ -66,6 +66,12 @@ def cases(tokens: int, hidden: int, inter: int, heads: int, kv_heads: int, head_
     def lse(t: int) -> torch.Tensor:
         return torch.randn(heads, t, device=device) + 5.0
 
+    def self_part(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The self-attention partial as the cascade passes it: the rows after the prompt, sliced
+        from [T, H, D] and [H, T] (stride and offset change with the prompt length)."""
+        prompt = t // 8
+        return randn(t + prompt, heads, head_dim, grad=False)[prompt:], lse(t + prompt)[:, prompt:]
+
     def rope(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.rand(t, head_dim // 2, device=device) * 6.28
         emb = torch.cat((angles, angles), -1)
@@ -79,8 +85,7 @@ def cases(tokens: int, hidden: int, inter: int, heads: int, kv_heads: int, head_
         "swiglu": (swiglu, lambda t: (randn(t, inter), randn(t, inter))),
         "rotary q": (apply_rotary, lambda t: (randn(t, heads, head_dim), *rope(t))),
         "rotary k": (apply_rotary, lambda t: (randn(t, kv_heads, head_dim), *rope(t))),
-        "merge": (merge_partials, lambda t: (randn(t, heads, head_dim, grad=False), lse(t),
-                                             randn(t, heads, head_dim, grad=False), lse(t))),
+        "merge": (merge_partials, lambda t: (*self_part(t), randn(t, heads, head_dim, grad=False), lse(t))),
     }
 
 
