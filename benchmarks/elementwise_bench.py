@@ -21,6 +21,7 @@ must then run a third token count without recompiling. The merge runs forward on
 cascade's backward does not differentiate it).
 
     python3 benchmarks/elementwise_bench.py            # GPU, bf16
+    python3 benchmarks/elementwise_bench.py --model qwen2.5-0.5b --tokens 16384   # another shape
     python3 benchmarks/elementwise_bench.py --cpu --tiny   # a functional check (float32, CPU)
 """
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.engine.fusion import fused
 from actors.engine.model import add_rms_norm, apply_rotary, rms_norm, swiglu
 from actors.engine.shared_prefix_attention import merge_partials
+from planning.models import model_preset
 
 HBM_BYTES_PER_S = 4.3e12
 VARIANTS = ("eager", "all-dynamic", "token-dynamic")
@@ -179,11 +181,14 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU (a functional check)")
     parser.add_argument("--tiny", action="store_true", help="a few hundred tokens of a tiny shape")
     parser.add_argument("--tokens", type=int, default=20480)
+    parser.add_argument("--model", default="llama3.2-1b", help="planning.models preset whose sizes to use")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     cuda = not args.cpu and torch.cuda.is_available()
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    shape = (256, 64, 160, 4, 2, 16) if args.tiny else (args.tokens, 2048, 8192, 32, 8, 64)
+    spec = model_preset(args.model)
+    shape = (256, 64, 160, 4, 2, 16) if args.tiny else (
+        args.tokens, spec.hidden_size, spec.intermediate_size, spec.n_heads, spec.n_kv_heads, spec.head_dim)
     table = []
     for name, (fn, make) in cases(*shape, device, dtype).items():
         table += measure(name, fn, make, shape[0], 2 if args.tiny else args.steps, cuda)
