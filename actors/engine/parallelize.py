@@ -8,6 +8,8 @@ Order (torchtitan-style), as `build_model_shard` applies it:
   3. `apply_tp`: swap q/k/v/gate/up to column-parallel, o/down to row-parallel, the embedding to
      vocab-parallel, the head to column-parallel without gather (logits stay vocab-sharded), and
      rewrite the attention's local head counts; K/V stay whole when tp does not divide the KV heads;
+     the attention's and the MLP's input enter the tp region once each (a forward pre-hook), not
+     once per projection;
   4. materialise: `to_empty` on the device, then `init_shard_weights` (deterministic, equal to
      the slices of the serial model's `Transformer.init_weights`) or a checkpoint load.
 
@@ -33,6 +35,7 @@ from actors.engine.tp_layers import (
     RowParallelLinear,
     TiedVocabParallelHead,
     VocabParallelEmbedding,
+    copy_to_tp_region,
 )
 from planning.layout import Layout
 from planning.models import ModelSpec, kv_replicated, param_specs, pipeline_partition, tp_split_dim, validate_tp
@@ -56,23 +59,28 @@ def apply_tp(model: Transformer, spec: ModelSpec, tp_group: dist.ProcessGroup | 
     validate_tp(spec, tp)
     h, d, rank = spec.hidden_size, spec.head_dim, group_rank(tp_group)
     meta = torch.device("meta")
+    region = {"group": tp_group, "device": meta, "input_in_tp_region": True}
     for layer in model.model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = ColumnParallelLinear(h, spec.n_heads * d, spec.qkv_bias, tp_group, device=meta)
+        attn.q_proj = ColumnParallelLinear(h, spec.n_heads * d, spec.qkv_bias, **region)
         if kv_replicated(spec, tp):
-            attn.k_proj = ReplicatedLinear(h, spec.n_kv_heads * d, spec.qkv_bias, tp_group, device=meta)
-            attn.v_proj = ReplicatedLinear(h, spec.n_kv_heads * d, spec.qkv_bias, tp_group, device=meta)
+            attn.k_proj = ReplicatedLinear(h, spec.n_kv_heads * d, spec.qkv_bias, **region)
+            attn.v_proj = ReplicatedLinear(h, spec.n_kv_heads * d, spec.qkv_bias, **region)
             attn.n_kv_heads = spec.n_kv_heads
         else:
-            attn.k_proj = ColumnParallelLinear(h, spec.n_kv_heads * d, spec.qkv_bias, tp_group, device=meta)
-            attn.v_proj = ColumnParallelLinear(h, spec.n_kv_heads * d, spec.qkv_bias, tp_group, device=meta)
+            attn.k_proj = ColumnParallelLinear(h, spec.n_kv_heads * d, spec.qkv_bias, **region)
+            attn.v_proj = ColumnParallelLinear(h, spec.n_kv_heads * d, spec.qkv_bias, **region)
             attn.n_kv_heads = spec.n_kv_heads // tp
         attn.o_proj = RowParallelLinear(spec.n_heads * d, h, False, tp_group, device=meta)
         attn.n_heads = spec.n_heads // tp
         attn.q_head_offset = rank * attn.n_heads  # global index of the first local query head
-        mlp.gate_proj = ColumnParallelLinear(h, spec.intermediate_size, False, tp_group, device=meta)
-        mlp.up_proj = ColumnParallelLinear(h, spec.intermediate_size, False, tp_group, device=meta)
+        mlp.gate_proj = ColumnParallelLinear(h, spec.intermediate_size, False, **region)
+        mlp.up_proj = ColumnParallelLinear(h, spec.intermediate_size, False, **region)
         mlp.down_proj = RowParallelLinear(spec.intermediate_size, h, False, tp_group, device=meta)
+        # The block's two inputs enter the tp region once each, before their projections
+        # (torchtitan's PrepareModuleInput, as a forward pre-hook: the plain model is unchanged).
+        for module in (attn, mlp):
+            module.register_forward_pre_hook(_TPRegionEntry(tp_group))
     if model.model.embed_tokens is not None:
         model.model.embed_tokens = VocabParallelEmbedding(spec.vocab_size, h, tp_group, device=meta)
     if model.lm_head is not None:
@@ -81,6 +89,17 @@ def apply_tp(model: Transformer, spec: ModelSpec, tp_group: dist.ProcessGroup | 
         # Tied head on the last stage: the plain model's F.linear on the table would skip the
         # tp region entry (the hidden state's gradient must be summed over tp).
         model.lm_head = TiedVocabParallelHead(model.model.embed_tokens)
+
+
+class _TPRegionEntry:
+    """Forward pre-hook: the module's first argument (its input x) passes copy_to_tp_region, so
+    the backward all-reduces x's gradient once, summed over the projections that read it."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> tuple[object, ...]:
+        return (copy_to_tp_region(args[0], self.group), *args[1:])
 
 
 @torch.no_grad()
