@@ -6,7 +6,7 @@ linear weight of one block of a model preset (and its LM head), at one micro-bat
     hook    dW = dY^T X in bf16 (cuBLAS), then main += dW (a mixed-dtype elementwise pass):
             what autograd plus ShardedAdamW's accumulation hook do (the embedding, head and
             norms still go this way)
-    gemm    actors.engine.main_grad_linear.accumulate_weight_grad: torch.addmm(main, dY^T, X,
+    gemm    actors.engine.main_grad.accumulate_weight_grad: torch.addmm(main, dY^T, X,
             out_dtype=float32, out=main), the sum in the GEMM's epilogue (the linear layers)
 
 The times are the GPU kernels' own (the profiler's kernel durations, as in elementwise_bench.py)
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engine.main_grad_linear import accumulate_weight_grad  # noqa: E402
+from actors.engine.main_grad import accumulate_weight_grad  # noqa: E402
 from benchmarks.elementwise_bench import timed  # noqa: E402
 from planning.models import ModelSpec, model_preset  # noqa: E402
 

@@ -34,8 +34,8 @@ MAX_EFFICIENCY = 4.0
 # a 1B model's training call costs ~35 ms more per extra optimizer step; 126 x 1.24B / 4.3 TB/s
 # is 36 ms.
 OPTIMIZER_TRAFFIC_PER_PARAM = 126
-# And per micro-batch of a train call, for each parameter outside the blocks' linear layers
-# (embedding, head, norms; the linear layers accumulate in their GEMM): backward writes its bf16
+# And per micro-batch of a train call, for each parameter outside the linear layers (the
+# embedding, a tied head, norms; linear layers accumulate in their GEMM): backward writes its bf16
 # gradient (2 bytes), which the accumulation hook adds into the fp32 buffer (read 2 + 4, write 4).
 GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # Host seconds per response token of a model-free call (`MFC.model_free`: a rule-based reward

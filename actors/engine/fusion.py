@@ -32,22 +32,19 @@ from torch import Tensor
 FUSED_RECOMPILE_LIMIT = 64
 
 
-def _default_token_dims(args: tuple[object, ...]) -> tuple[int | None, ...]:
-    """dim 0 of every tensor argument of two or more dimensions (a norm's weight [H] has none)."""
-    return tuple(0 if isinstance(a, Tensor) and a.dim() > 1 else None for a in args)
-
-
-def _mark_tokens_dynamic(args: tuple[object, ...], token_dims: tuple[int | None, ...]) -> Hashable:
-    """Marks each tensor argument's token dim dynamic; returns the static signature (what
+def _mark_tokens_dynamic(args: tuple[object, ...], token_dims: tuple[int | None, ...] | None) -> Hashable:
+    """Marks each tensor argument's token dim dynamic (by default dim 0 of every tensor of two
+    or more dimensions; a norm's weight [H] has none); returns the static signature (what
     selects the compiled graph)."""
     key: list[Hashable] = [torch.is_grad_enabled()]
-    for arg, dim in zip(args, token_dims):
+    for i, arg in enumerate(args):
         if not isinstance(arg, Tensor):
             key.append(arg if isinstance(arg, Hashable) else type(arg))
             continue
+        dim = token_dims[i] if token_dims is not None else (0 if arg.dim() > 1 else None)
         if dim is not None:
             torch._dynamo.maybe_mark_dynamic(arg, dim)
-        sizes = tuple(-1 if i == dim else s for i, s in enumerate(arg.shape))
+        sizes = tuple(-1 if d == dim else n for d, n in enumerate(arg.shape))
         key.append((sizes, arg.dtype, arg.device, arg.requires_grad))
     return tuple(key)
 
@@ -66,7 +63,7 @@ def fused(fn: Callable[..., object], token_dims: tuple[int | None, ...] | None =
     def run(*args: object) -> object:
         if torch.compiler.is_compiling():
             return fn(*args)
-        signature = _mark_tokens_dynamic(args, token_dims if token_dims is not None else _default_token_dims(args))
+        signature = _mark_tokens_dynamic(args, token_dims)
         if signature in seen:
             return compiled(*args)
         seen.add(signature)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from actors.engine.attention import KVCache, packed_attention
 from actors.engine.fusion import fused
-from actors.engine.main_grad_linear import Linear
+from actors.engine.main_grad import Linear
 from actors.engine.packing import PackedBatch
 from actors.engine.shared_prefix_attention import shared_prefix_attention
 from planning.models import ModelSpec
@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         if critic:
             self.score = Linear(spec.hidden_size, 1, bias=False, device=device)
         elif not spec.tie_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device=device)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, device=device)
         self.embeds_tokens = True
         # rope_inv_freq per device, computed on first use: it is ~20 small kernels that
         # every forward (every decode step) would otherwise repeat. float32 [head_dim/2].

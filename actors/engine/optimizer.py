@@ -27,16 +27,16 @@ addition (relative error growing with the micro-batch count). Inside the context
 each low-precision parameter's `.grad` after every backward into an fp32 buffer [N_pad] laid out
 like the flat gradient of step 1 (Megatron's main_grad) and frees it; step 1 then reads that
 buffer. Each such parameter also carries its view of the buffer as `param.main_grad` there, and
-the linear layers (actors/engine/main_grad_linear.py) add their weight gradient into it directly,
-in the GEMM, so their `.grad` and the hook's extra pass never happen. fp32 parameters (CPU runs)
-accumulate in their own `.grad` as before.
+the linear layers add their weight gradient into it directly, in the GEMM, so their `.grad` and
+the hook's extra pass never happen (actors/engine/main_grad.py, which holds both mechanisms).
+fp32 parameters (CPU runs) accumulate in their own `.grad` as before.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from actors.engine.adamw_config import AdamWConfig, adamw_config_from, lr_at
+from actors.engine.main_grad import attach_main_grads
 from actors.engine.optimizer_offload import OPTIMIZER_STATE_KEYS, ChunkStreamer, HostState, device_elements
 from actors.engine.process_groups import all_gather_flat, group_rank, group_size, reduce_scatter_flat
 from planning.plan import offload_chunk_elements
@@ -166,16 +167,8 @@ class ShardedAdamW:
             dp = group_size(self.dp_group)
             self.main_grad = torch.zeros(self.slice_size * dp, dtype=torch.float32, device=self.device)
         views = [(p, self.main_grad[offset:offset + p.numel()].view(p.shape)) for p, offset in low]
-        handles = [p.register_post_accumulate_grad_hook(_mover(view)) for p, view in views]
-        for p, view in views:
-            p.main_grad = view  # linear layers add their weight gradient here (main_grad_linear)
-        try:
+        with attach_main_grads(views):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for p, _ in views:
-                del p.main_grad
 
     def grad_of(self, name: str) -> Tensor | None:
         """The gradient accumulated so far for parameter `name`: its fp32 main_grad view inside
@@ -384,18 +377,6 @@ class ShardedAdamW:
         bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.config.eps)
         master.addcdiv_(exp_avg, denom, value=-lr / bias1)
-
-
-def _mover(target: Tensor) -> Callable[[Tensor], None]:
-    """A post-accumulate-grad hook adding a parameter's .grad into `target` (fp32, same shape)
-    and freeing it, so the next backward starts a fresh low-precision gradient."""
-
-    def hook(param: Tensor) -> None:
-        if param.grad is not None:
-            target.add_(param.grad)
-            param.grad = None
-
-    return hook
 
 
 __all__ = ["OPTIMIZER_STATE_KEYS", "AdamWConfig", "ShardedAdamW", "adamw_config_from", "lr_at"]

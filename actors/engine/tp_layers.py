@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from actors.engine.main_grad_linear import linear
+from actors.engine.main_grad import linear
 from actors.engine.process_groups import group_rank, group_size
 
 

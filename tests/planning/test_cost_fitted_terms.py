@@ -69,6 +69,19 @@ def test_gradient_accumulation_is_paid_per_micro_batch() -> None:
     assert coarse["grad_accumulation_s"] == pytest.approx(coarse["micro_batches"] * per_micro)
 
 
+def test_an_untied_head_accumulates_in_its_gemm_like_the_blocks() -> None:
+    # An untied head is a linear layer too: only the embedding table and the norms pass .grad.
+    spec = model_preset("qwen2.5-7b")
+    assert not spec.tie_embeddings
+    graph = grpo_graph(BatchShape(8, 128, 128), group_size=2)
+    problem = rlhf_problem(graph, ClusterSpec(1, 1, hardware_preset("h200-141g")), spec)
+    cost = call_cost(problem, graph.mfc("actor_train"), ONE_GPU, execution=CallExecution(micro_batch_tokens=2048))
+    bias = 0 if not spec.qkv_bias else spec.n_layers * (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
+    hooked = spec.vocab_size * spec.hidden_size + (2 * spec.n_layers + 1) * spec.hidden_size + bias
+    per_micro = hooked * GRAD_ACCUMULATION_TRAFFIC_PER_PARAM / problem.cluster.hardware.hbm_bw
+    assert cost.breakdown["grad_accumulation_s"] == pytest.approx(cost.breakdown["micro_batches"] * per_micro)
+
+
 def test_short_micro_batches_pay_the_gemm_ramp() -> None:
     # Same tokens in 4x the micro-batches: the matmul time grows by the ramp of the extra ones.
     problem = _problem()

@@ -3,7 +3,7 @@
 Each micro-batch back-propagates an un-normalised loss SUM; accumulated in a bf16 `.grad`, the sum
 is rounded to bf16 after every addition. The reference here is exact: every micro-batch's own
 gradient in the fp32 buffer (one backward from a fresh buffer: the linear layers' weight gradients
-as their fp32 GEMM products, actors/engine/main_grad_linear.py, the others as autograd's bf16
+as their fp32 GEMM products, actors/engine/main_grad.py, the others as autograd's bf16
 `.grad`) summed in float64. The fp32 accumulation must match it to fp32 rounding; the bf16
 accumulation's error is measured beside it (printed: the bound the issue asked for).
 """

@@ -1,4 +1,4 @@
-"""actors/engine/main_grad_linear.py: a linear layer whose weight gradient is accumulated straight
+"""actors/engine/main_grad.py: a linear layer whose weight gradient is accumulated straight
 into the weight's fp32 main_grad. Against float64 sums of the weight-gradient products and against
 F.linear's own input and bias gradients; the CUDA path (addmm into an fp32 buffer from bf16
 operands) in the gpu tier."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine import AdamWConfig, ModelEngine, ParallelGroups
-from actors.engine.main_grad_linear import Linear, linear
+from actors.engine.main_grad import Linear, linear
 from planning.layout import Layout
 from planning.models import ModelSpec
 
