@@ -42,6 +42,7 @@ class SideResult:
     tokens: list[int] = field(default_factory=list)
     calls: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # e.g. gen/decode_s, mean of the timed steps
+    gc_s: dict[str, float] = field(default_factory=dict)  # per call: garbage collection pauses, mean
     settings: str = ""
     error: str | None = None
 

@@ -16,6 +16,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # the device call returns at most 8 files.
 final=${OUT:-out}; out=$(mktemp -d); mkdir -p "$final"
 nvidia-smi -L | tee "$out/gpus.txt"
+# The GPUs' clocks, power and clock-event reasons every 200 ms (benchmarks/gpu_clocks.py sums them
+# up at the end, per call of every run directory written here).
+query=$(python3 -c "from benchmarks.gpu_clocks import NVIDIA_SMI_QUERY; print(NVIDIA_SMI_QUERY)")
+nvidia-smi --help-query-gpu | grep -q clocks_event_reasons.active || query=${query/clocks_event/clocks_throttle}
+nvidia-smi --query-gpu="$query" --format=csv,noheader,nounits -lms 200 >"$out/gpu_clocks.csv" 2>&1 & sampler=$!
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
 only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py ${ENGINE_ARGS:-}
@@ -51,5 +56,7 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 # benchmarks/fit_efficiency.py then fits the preset's factors to the results on any machine.
 [[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
   run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}
+kill "$sampler" 2>/dev/null
+python3 benchmarks/gpu_clocks.py "$out/gpu_clocks.csv" "$out" >"$out/gpu_clocks.txt" 2>&1; tail -40 "$out/gpu_clocks.txt"
 tar czf "$final/results.tgz" -C "$out" . && rm -rf "$out"
 exit 0

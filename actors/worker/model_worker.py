@@ -48,6 +48,7 @@ from actors.engine import (
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
 from actors.worker.calls import CallContext, CallSpec, timed
+from actors.worker.gc_pauses import CollectorClock
 from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
@@ -76,8 +77,9 @@ class ModelWorker:
             raise ValueError(f"ModelWorker rank={rank}: must be in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(device)
-        # Peak memory of each call (None on CPU); a subclass may install another probe.
+        # Peak memory (a subclass may install another probe) and garbage collection pauses of each call.
         self.memory_probe: MemoryProbe = memory_probe_for(self.device)
+        self.collector = CollectorClock().install()
         self._groups = ReallocGroups()
         self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}
@@ -111,7 +113,7 @@ class ModelWorker:
 
     def ensure_groups(self, member_sets: list[tuple[int, ...]]) -> None:
         """Create every missing group (collective over the world: all ranks, the same list)."""
-        sets = [tuple(sorted(set(int(r) for r in s))) for s in member_sets]
+        sets = [tuple(sorted({int(r) for r in s})) for s in member_sets]
         self._groups.ensure([s for s in sets if len(s) > 1], timeout=self._timeout)
 
     def _lookup(self, members: list[int]) -> ProcessGroup | None:
@@ -146,7 +148,7 @@ class ModelWorker:
         host_fraction: of the optimizer state kept in host memory (the plan's optimizer_offload).
         """
         start = time.perf_counter()
-        torch_dtype = self._dtype(dtype)
+        torch_dtype = resolve_dtype(dtype, self.device)
         config = adamw_config_from(role, optim) if trainable else None
         state = RoleState(spec, critic, trainable, torch_dtype, config, ModelCopies(role, trainable, offload_idle=False),
                           host_fraction=host_fraction if trainable else 0.0)
@@ -166,9 +168,6 @@ class ModelWorker:
         n_local = sum(p.numel() for p in engine.model.parameters())
         return {"role": role, "rank": self.rank, "held": True, "placement": f"{placement.mesh}/{placement.layout}",
                 "local_params": n_local, "seconds": time.perf_counter() - start}
-
-    def _dtype(self, name: str | None) -> torch.dtype:
-        return resolve_dtype(name, self.device)
 
     def _role(self, role: str) -> RoleState:
         if role not in self._roles:
@@ -329,7 +328,7 @@ class ModelWorker:
             # A host device: timing must not synchronise the GPU the default group is using, and
             # no memory probe (it may run beside a GPU call, whose peak a reset would spoil).
             ctx = CallContext(call, None, groups, mesh_rank, torch.device("cpu"))
-            return timed(CALL_OPS[op], ctx, inputs)
+            return timed(CALL_OPS[op], ctx, inputs, collector=self.collector)
         state = self._role(call.role)
         self._ensure_copy(call, state)
         engine = state.engines[placement]
@@ -337,7 +336,7 @@ class ModelWorker:
             raise ValueError(f"call {call.name}: trains {call.role} under {placement.mesh}/{placement.layout}, but its "
                              "optimizer lives on its home placement (load_model's)")
         ctx = CallContext(call, engine, engine.groups, mesh_rank, self.device)
-        meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe)
+        meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe, self.collector)
         if call.kind == "train":
             state.copies.after_train()
             self._sync_engines(state)

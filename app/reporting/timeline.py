@@ -15,7 +15,8 @@ them to `<run_dir>/timeline.jsonl`, and derives:
 * `memory/<call>_peak_gib` and `memory/<call>_reserved_gib`: the largest peak of allocated and
   reserved GPU memory over the call's ranks (null on CPU), beside `memory/<call>_est_gib`, the
   plan's estimate of the fullest GPU during the call, and `timing_est_s/<call>`
-  (`fidelity_metrics`); `memory_overruns` names the calls whose measured peak exceeds the
+  (`fidelity_metrics`), and `timing_gc_s/<call>`: the longest time Python's garbage collector
+  paused one of the call's ranks during it; `memory_overruns` names the calls whose measured peak exceeds the
   estimate by more than a margin.
 
 Call records carry the estimate of the plan they ran under (`call_estimates`: seconds and the
@@ -59,6 +60,7 @@ class TimelineRecord:
     peak_reserved_bytes: int | None = None
     est_s: float | None = None
     est_peak_bytes: float | None = None
+    gc_s: float | None = None  # Python garbage collection pauses during the call (actors.worker.gc_pauses)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def records_of(iteration: int, name: str, kind: str, ranks: Sequence[int], metas
             out.append(TimelineRecord(
                 iteration, name, kind, rank, float(meta["start"]), float(meta["end"]),
                 _int_or_none(meta.get("peak_allocated_bytes")), _int_or_none(meta.get("peak_reserved_bytes")),
-                estimate.seconds if estimate else None, estimate.peak_bytes if estimate else None))
+                estimate.seconds if estimate else None, estimate.peak_bytes if estimate else None,
+                None if meta.get("gc_s") is None else float(meta["gc_s"])))
     return out
 
 
@@ -106,7 +109,7 @@ def _finite_or_none(value: float) -> float | None:
 
 def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
     """Per call: memory/<call>_peak_gib, memory/<call>_reserved_gib (largest over its ranks; nan,
-    i.e. null, where unmeasured), memory/<call>_est_gib and timing_est_s/<call>."""
+    i.e. null, where unmeasured), memory/<call>_est_gib, timing_est_s/<call> and timing_gc_s/<call>."""
     metrics: dict[str, float] = {}
     for name, items in _calls_by_name(records).items():
         allocated = [r.peak_allocated_bytes for r in items if r.peak_allocated_bytes is not None]
@@ -117,6 +120,9 @@ def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
             metrics[f"memory/{name}_est_gib"] = items[0].est_peak_bytes / GiB
         if items[0].est_s is not None:
             metrics[f"timing_est_s/{name}"] = items[0].est_s
+        paused = [r.gc_s for r in items if r.gc_s is not None]
+        if paused:
+            metrics[f"timing_gc_s/{name}"] = max(paused)
     return metrics
 
 

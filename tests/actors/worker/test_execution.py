@@ -1,9 +1,11 @@
 """A call run as the plan says, on one serial worker: generation in rounds samples what one round
 samples, inference with a token budget gives the one-micro-batch logprobs and values, the
-defaults without a plan, and each call's peak memory from the worker's probe (None on CPU)."""
+defaults without a plan, each call's peak memory from the worker's probe (None on CPU), and the
+garbage collector's pauses during it."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -108,3 +110,15 @@ def test_each_call_reports_its_peak_memory() -> None:
     second, _ = _generate(worker, None)
     assert (first["peak_allocated_bytes"], first["peak_reserved_bytes"]) == (1000, 2000)
     assert second["peak_allocated_bytes"] == 2000  # reset before each call
+
+
+def test_each_call_reports_the_collectors_pauses() -> None:
+    worker = _worker()
+    try:
+        meta, _ = _generate(worker, None)
+        assert meta["gc_s"] >= 0.0 and meta["gc_full"] >= 0
+        before = worker.collector.reading()
+        gc.collect()  # a collection during a call is counted in its gc_s: the clock sees every one
+        assert worker.collector.reading().since(before).full_collections == 1
+    finally:
+        worker.collector.uninstall()
