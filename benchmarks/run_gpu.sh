@@ -23,6 +23,8 @@ nvidia-smi --help-query-gpu | grep -q clocks_event_reasons.active || query=${que
 nvidia-smi --query-gpu="$query" --format=csv,noheader,nounits -lms 200 >"$out/gpu_clocks.csv" 2>&1 & sampler=$!
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${LIMIT:-150}" "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; tail -12 "$out/$name.txt"; }
 only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
+# The bf16 matmul rate held for 30 s against its first second (power cap; gpu_clocks.txt beside it).
+[[ $only == *sustained* ]] && run sustained_gemm python3 benchmarks/sustained_gemm.py --seconds ${GEMM_SECONDS:-30}
 [[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py ${ENGINE_ARGS:-}
 [[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py ${GEN_ARGS:-}
 [[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}
