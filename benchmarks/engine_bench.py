@@ -20,6 +20,10 @@ head_dim per layer (QK^T and AV, halved for causality, with s the sequence lengt
         # tokens), on one GPU; the target is >= 60% MFU, and --profile says where the rest goes.
         # Each micro-batch holds its 4 prompts once (--no-shared-prompts: every row whole); MFU
         # counts the FLOPs the engine runs, tokens/s the rows' tokens.
+    python3 benchmarks/engine_bench.py --model qwen2.5-0.5b --grpo-shape 64,8,256,512 --n-micro 24 \
+        --tp 1 --profile
+        # another preset and GRPO batch: here the 0.5B fidelity shape's inference calls (24
+        # micro-batches of ~16k tokens); --profile's idle report says where its host time goes.
 """
 
 from __future__ import annotations
@@ -78,16 +82,32 @@ def executed_flops(spec: ModelSpec, batch: SequenceBatch, train: bool) -> float:
     return per_token * tokens + attn_unit * attn
 
 
-def make_grpo_batch(vocab: int, shared: bool, seed: int = 1) -> SequenceBatch:
-    """peer_bench's training batch: 64 prompts of 128 tokens x 8 samples of 512; with `shared`
-    the rows of a prompt say so (prefix_lengths) and the engine holds each prompt once."""
+PEER_SHAPE = (64, 8, 128, 512)  # peer_bench's batch: prompts, samples per prompt, prompt and answer tokens
+
+
+def make_grpo_batch(vocab: int, shared: bool, shape: tuple[int, int, int, int] = PEER_SHAPE,
+                    seed: int = 1) -> SequenceBatch:
+    """A GRPO batch: `prompts` prompts of `prompt_len` tokens x `group` samples of `gen_len`
+    (peer_bench's by default); with `shared` the rows of a prompt say so (prefix_lengths) and the
+    engine holds each prompt once."""
+    prompts, group, prompt_len, gen_len = shape
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for prompt in torch.randint(0, vocab, (64, 128), generator=gen):
-        rows += [torch.cat([prompt, torch.randint(0, vocab, (512,), generator=gen)]) for _ in range(8)]
+    for prompt in torch.randint(0, vocab, (prompts, prompt_len), generator=gen):
+        rows += [torch.cat([prompt, torch.randint(0, vocab, (gen_len,), generator=gen)]) for _ in range(group)]
     tokens = torch.cat(rows)
-    return SequenceBatch(tokens, (640,) * len(rows), token_data={"mask": torch.ones(tokens.numel())},
-                         prefix_lengths=(128,) * len(rows) if shared else None)
+    return SequenceBatch(tokens, (prompt_len + gen_len,) * len(rows), token_data={"mask": torch.ones(tokens.numel())},
+                         prefix_lengths=(prompt_len,) * len(rows) if shared else None)
+
+
+def parse_grpo_shape(text: str) -> tuple[int, int, int, int]:
+    """--grpo-shape "PROMPTS,GROUP,PROMPT_LEN,GEN_LEN" -> four positive ints."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--grpo-shape={text!r}: want four positive integers "
+                                         "PROMPTS,GROUP,PROMPT_LEN,GEN_LEN, e.g. 64,8,256,512")
+    prompts, group, prompt_len, gen_len = (int(p) for p in parts)
+    return prompts, group, prompt_len, gen_len
 
 
 def make_batch(tokens_per_mb: int, n_micro: int, vocab: int, lo: int, hi: int, seed: int) -> SequenceBatch:
@@ -119,13 +139,13 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: di
         if not args.cpu:
             torch.cuda.set_device(0)
         groups = ParallelGroups.serial()
-    spec = model_preset("tiny" if args.tiny else "llama3.2-1b")
+    spec = model_preset(args.model)
     dtype = torch.float32 if args.cpu else torch.bfloat16
     engine = ModelEngine(spec, False, groups, device, dtype, seed=0, optim_config=AdamWConfig(lr=1e-5))
     if args.eager_elementwise:
         set_elementwise_fusion(engine.model, False)
-    if args.grpo_step and not args.cpu:
-        batch = make_grpo_batch(spec.vocab_size, not args.no_shared_prompts)
+    if args.grpo_shape is not None:
+        batch = make_grpo_batch(spec.vocab_size, not args.no_shared_prompts, args.grpo_shape)
     else:
         batch = make_batch(args.tokens_per_mb, args.n_micro, spec.vocab_size, args.min_len, args.max_len, seed=1)
     sync = (lambda: None) if args.cpu else torch.cuda.synchronize
@@ -232,6 +252,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (a functional check)")
     parser.add_argument("--tiny", action="store_true", help="tiny model instead of Llama-3.2-1B")
+    parser.add_argument("--model", default=None, help="a model preset (planning.models), e.g. qwen2.5-0.5b; "
+                                                     "default llama3.2-1b (tiny with --tiny)")
+    parser.add_argument("--grpo-shape", type=parse_grpo_shape, default=None, metavar="P,G,PL,GL",
+                        help="a GRPO batch of P prompts x G samples, PL prompt + GL answer tokens, in --n-micro "
+                             "micro-batches (--grpo-step: 64,8,128,512 in 16)")
     parser.add_argument("--tp", type=int, nargs="+", default=None, help="tp degrees to run (default 1 and 2 if 2 GPUs)")
     parser.add_argument("--tokens-per-mb", type=int, default=16384)
     parser.add_argument("--n-micro", type=int, default=4)
@@ -248,8 +273,14 @@ def main() -> None:
                         help="with --grpo-step: every row whole (by default a micro-batch holds each of its "
                              "prompts once, as the train call does)")
     args = parser.parse_args()
+    args.model = args.model or ("tiny" if args.tiny else "llama3.2-1b")
+    try:
+        model_preset(args.model)
+    except ValueError as exc:
+        parser.error(f"--model={args.model!r}: {exc}")
     if args.grpo_step:  # 64 prompts x 8 samples of 128 + 512 tokens, one optimizer step
         args.tokens_per_mb, args.n_micro, args.min_len, args.max_len = 32 * 640, 16, 640, 640
+        args.grpo_shape = args.grpo_shape or (PEER_SHAPE if not args.cpu else None)
     if args.cpu:
         args.tokens_per_mb, args.min_len, args.max_len, args.steps, args.warmup = 256, 16, 64, 2, 1
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -260,9 +291,10 @@ def main() -> None:
     for tp in degrees:
         results.update(spawn(tp, args))
     peak = PEAK_FLOPS if not args.cpu else float("nan")
-    print(f"\nengine benchmark ({'tiny' if args.tiny else 'llama3.2-1b'}, {'cpu fp32' if args.cpu else 'bf16'}, "
-          f"elementwise {'eager' if args.eager_elementwise or args.cpu else 'fused'}, "
-          f"{args.n_micro} micro-batches x ~{args.tokens_per_mb} tokens, sequences {args.min_len}-{args.max_len})")
+    work = (f"GRPO batch {'x'.join(map(str, args.grpo_shape))} in {args.n_micro} micro-batches" if args.grpo_shape
+            else f"{args.n_micro} micro-batches x ~{args.tokens_per_mb} tokens, sequences {args.min_len}-{args.max_len}")
+    print(f"\nengine benchmark ({args.model}, {'cpu fp32' if args.cpu else 'bf16'}, "
+          f"elementwise {'eager' if args.eager_elementwise or args.cpu else 'fused'}, {work})")
     print(f"{'tp':>3} {'gpus':>4} {'train tok/s':>12} {'train TFLOP/s':>14} {'train MFU':>9} "
           f"{'fwd tok/s':>10} {'fwd TFLOP/s':>12} {'fwd MFU':>8} {'peak mem GiB':>12} {'scaling':>8}")
     base = results.get(1)
