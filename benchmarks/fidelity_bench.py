@@ -16,10 +16,11 @@ random models rarely sample EOS, so responses are ~gen_len long, as the plan ass
 Per call it reports the estimate before calibration against the measured time and peak of the
 first iteration after warm-up (iteration 1), the calibrated estimate against the same iteration
 (fitted) and against the next one (held out), whether any call ran out of memory although the
-plan called it feasible, and how long Python's garbage collector paused the call in iteration 1
-(`gc s`, the longest pause on one rank: actors.worker.gc_pauses). First, the issue's "Why" shape (GRPO, 1B actor + 1B reward model, 64
-prompts x 8 samples, 128-token prompts, 512 new tokens, ppo_minibatches=1, no allocator setting
-by the user) runs WHY_ITERATIONS iterations.
+plan called it feasible, and how long Python's garbage collector and torch.compile held the call
+in iteration 1 (`gc s`, `comp s`: the longest on one rank; actors.worker.host_pauses). First,
+the issue's "Why" shape (GRPO, 1B actor + 1B reward model, 64 prompts x 8 samples, 128-token
+prompts, 512 new tokens, ppo_minibatches=1, no allocator setting by the user) runs
+WHY_ITERATIONS iterations.
 
 Every run of this script writes into a fresh directory `<out>/run-NNN/` (benchmarks/run_dirs.py;
 `<out>/latest` links to the newest), so the same command can run again: fidelity.json (every
@@ -164,11 +165,12 @@ def _call_seconds(records: list[TimelineRecord], name: str, iteration: int) -> f
     return max(r.end for r in mine) - min(r.start for r in mine) if mine else None
 
 
-def _gc_seconds(records: list[TimelineRecord], name: str, iteration: int) -> float | None:
-    """The longest garbage collection pause of one rank during the call (None: not recorded)."""
-    paused = [r.gc_s for r in records if r.kind == "call" and r.name == name and r.iteration == iteration
-              and r.gc_s is not None]
-    return max(paused) if paused else None
+def _paused(records: list[TimelineRecord], name: str, iteration: int, field: str) -> float | None:
+    """The longest time one rank spent in garbage collection (field gc_s) or compiling
+    (compile_s) during the call; None where not recorded."""
+    paused = [getattr(r, field) for r in records if r.kind == "call" and r.name == name and r.iteration == iteration]
+    measured = [p for p in paused if p is not None]
+    return max(measured) if measured else None
 
 
 def compare(run_dir: Path) -> dict[str, Any]:
@@ -187,7 +189,8 @@ def compare(run_dir: Path) -> dict[str, Any]:
         after = (history or {}).get("calls", {}).get(name, {})
         rows.append({
             "call": name, "runs_as": {k: call.get(k) for k in ("micro_batch_tokens", "micro_batches", "gen_rounds")},
-            "est_s": mine[0].est_s, "measured_s": _call_seconds(records, name, 1), "gc_s": _gc_seconds(records, name, 1),
+            "est_s": mine[0].est_s, "measured_s": _call_seconds(records, name, 1), "gc_s": _paused(records, name, 1, "gc_s"),
+            "compile_s": _paused(records, name, 1, "compile_s"),
             "est_after_s": after.get("est_after_s"), "held_out_s": _call_seconds(records, name, RECALIBRATE_AFTER),
             "est_peak_gib": mine[0].est_peak_bytes / GIB if mine[0].est_peak_bytes else None,
             "measured_peak_gib": max(peaks) / GIB if peaks else None,
@@ -249,7 +252,7 @@ def print_calls(result: dict[str, Any]) -> None:
         print(f"  step after calibration: measured {step['measured_s']:.2f} s, estimated {est} s{share}; "
               f"optimizer offload in the plan: {result.get('optimizer_offload')}")
     print(f"  {'call':<13} {'runs as':<22} {'est s':>7} {'meas s':>7} {'cal s':>7} {'held s':>7} "
-          f"{'est GiB':>8} {'meas GiB':>8} {'cal GiB':>8} {'gc s':>6}")
+          f"{'est GiB':>8} {'meas GiB':>8} {'cal GiB':>8} {'gc s':>6} {'comp s':>6}")
     for row in result["calls"]:
         how = row["runs_as"]
         runs = (f"{how['gen_rounds']} round(s)" if how["gen_rounds"]
@@ -257,9 +260,9 @@ def print_calls(result: dict[str, Any]) -> None:
         cells = [row[k] for k in ("est_s", "measured_s", "est_after_s", "held_out_s", "est_peak_gib",
                                   "measured_peak_gib", "est_peak_after_gib")]
         text = ["-" if v is None else f"{v:.3g}" for v in cells]
-        gc_text = "-" if row.get("gc_s") is None else f"{row['gc_s']:.3f}"
+        pauses = ["-" if row.get(k) is None else f"{row[k]:.3f}" for k in ("gc_s", "compile_s")]
         print(f"  {row['call']:<13} {runs:<22} " + " ".join(f"{t:>7}" for t in text[:4]) + " "
-              + " ".join(f"{t:>8}" for t in text[4:]) + f" {gc_text:>6}")
+              + " ".join(f"{t:>8}" for t in text[4:]) + " " + " ".join(f"{t:>6}" for t in pauses))
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:

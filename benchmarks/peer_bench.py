@@ -128,7 +128,8 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
     result.calls = {name: sum(r.get(f"timing_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
     phase_keys = sorted({k for r in timed for k in r if k.startswith("gen/") and k.endswith("_s")})
     result.phases = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in phase_keys}
-    result.gc_s = {name: sum(r.get(f"timing_gc_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
+    result.gc_s, result.compile_s = ({name: sum(r.get(f"timing_{key}_s/{name}") or 0.0 for r in timed) / len(timed)
+                                      for name in calls} for key in ("gc", "compile"))
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
                        f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
                        f"sampling.compile={cfg.sampling.compile}")
@@ -162,8 +163,9 @@ def table(results: list[SideResult], work: Work, model: str) -> str:
             lines.append(f"{r.name} generation phases (s): "
                          + " | ".join(f"{k.removeprefix('gen/')} {v:.3f}" for k, v in r.phases.items()))
         if r.gc_s:
-            lines.append(f"{r.name} garbage collection inside the calls (s): "
-                         + " | ".join(f"{name} {v:.3f}" for name, v in r.gc_s.items()))
+            lines.append(f"{r.name} garbage collection / compiling inside the calls (s): "
+                         + " | ".join(f"{name} {v:.3f} / {r.compile_s.get(name, 0.0):.3f}"
+                                      for name, v in r.gc_s.items()))
     lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
     return "\n".join(lines)
 

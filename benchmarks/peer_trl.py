@@ -42,7 +42,8 @@ class SideResult:
     tokens: list[int] = field(default_factory=list)
     calls: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # e.g. gen/decode_s, mean of the timed steps
-    gc_s: dict[str, float] = field(default_factory=dict)  # per call: garbage collection pauses, mean
+    gc_s: dict[str, float] = field(default_factory=dict)  # per call: garbage collection, mean
+    compile_s: dict[str, float] = field(default_factory=dict)  # per call: torch.compile compiling, mean
     settings: str = ""
     error: str | None = None
 

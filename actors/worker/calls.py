@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -51,8 +51,8 @@ from actors.worker.data import (
     pack_rows,
 )
 from actors.worker.execution import MicroBatching, plan_micro_batching
-from actors.worker.gc_pauses import CollectorClock
 from actors.worker.guards import score_rows
+from actors.worker.host_pauses import HostPauseClock
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from planning.plan import CallExecution, Placement, check_execution_kind
 
@@ -288,26 +288,27 @@ def run_values(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict, d
 
 def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | None]],
           ctx: CallContext, inputs: Sequence[dict | None],
-          memory: MemoryProbe | None = None, collector: CollectorClock | None = None) -> tuple[dict, dict | None]:
+          memory: MemoryProbe | None = None, pauses: HostPauseClock | None = None) -> tuple[dict, dict | None]:
     """Run an op and add wall-clock start/end (seconds since the epoch), this rank's peak memory
-    during it (`peak_allocated_bytes` / `peak_reserved_bytes`, None on CPU) and, with a collector
-    clock, the garbage collector's pauses in it (`gc_s`, `gc_full`; actors.worker.gc_pauses) to its meta."""
+    during it (`peak_allocated_bytes` / `peak_reserved_bytes`, None on CPU) and, with a pause
+    clock, what stalled the host in it (`gc_s`, `gc_full`, `compiles`, `compile_s`:
+    actors.worker.host_pauses; None without) to its meta."""
     probe = memory if memory is not None else NoMemoryProbe()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     probe.reset()
-    gc_before = collector.reading() if collector is not None else None
+    before = pauses.reading() if pauses is not None else None
     start = time.time()
     meta, data = fn(ctx, inputs)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     end = time.time()
     peak = probe.peak()
-    gc_during = collector.reading().since(gc_before) if collector is not None and gc_before is not None else None
+    during = pauses.reading().since(before) if pauses is not None and before is not None else None
     return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
             "seconds": end - start, "peak_allocated_bytes": peak.allocated_bytes if peak else None,
             "peak_reserved_bytes": peak.reserved_bytes if peak else None,
-            "gc_s": gc_during.seconds if gc_during else None, "gc_full": gc_during.full_collections if gc_during else None,
+            **(asdict(during) if during else dict.fromkeys(("gc_s", "gc_full", "compiles", "compile_s"))),
             **meta}, data
 
 

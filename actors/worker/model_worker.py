@@ -48,7 +48,7 @@ from actors.engine import (
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
 from actors.worker.calls import CallContext, CallSpec, timed
-from actors.worker.gc_pauses import CollectorClock
+from actors.worker.host_pauses import HostPauseClock
 from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
@@ -77,9 +77,9 @@ class ModelWorker:
             raise ValueError(f"ModelWorker rank={rank}: must be in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(device)
-        # Peak memory (a subclass may install another probe) and garbage collection pauses of each call.
+        # Peak memory (a subclass may install another probe) and host pauses (gc, compiles) of each call.
         self.memory_probe: MemoryProbe = memory_probe_for(self.device)
-        self.collector = CollectorClock().install()
+        self.host_pauses = HostPauseClock().install()
         self._groups = ReallocGroups()
         self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}
@@ -328,7 +328,7 @@ class ModelWorker:
             # A host device: timing must not synchronise the GPU the default group is using, and
             # no memory probe (it may run beside a GPU call, whose peak a reset would spoil).
             ctx = CallContext(call, None, groups, mesh_rank, torch.device("cpu"))
-            return timed(CALL_OPS[op], ctx, inputs, collector=self.collector)
+            return timed(CALL_OPS[op], ctx, inputs, pauses=self.host_pauses)
         state = self._role(call.role)
         self._ensure_copy(call, state)
         engine = state.engines[placement]
@@ -336,7 +336,7 @@ class ModelWorker:
             raise ValueError(f"call {call.name}: trains {call.role} under {placement.mesh}/{placement.layout}, but its "
                              "optimizer lives on its home placement (load_model's)")
         ctx = CallContext(call, engine, engine.groups, mesh_rank, self.device)
-        meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe, self.collector)
+        meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe, self.host_pauses)
         if call.kind == "train":
             state.copies.after_train()
             self._sync_engines(state)

@@ -15,8 +15,9 @@ them to `<run_dir>/timeline.jsonl`, and derives:
 * `memory/<call>_peak_gib` and `memory/<call>_reserved_gib`: the largest peak of allocated and
   reserved GPU memory over the call's ranks (null on CPU), beside `memory/<call>_est_gib`, the
   plan's estimate of the fullest GPU during the call, and `timing_est_s/<call>`
-  (`fidelity_metrics`), and `timing_gc_s/<call>`: the longest time Python's garbage collector
-  paused one of the call's ranks during it; `memory_overruns` names the calls whose measured peak exceeds the
+  (`fidelity_metrics`), and `timing_gc_s/<call>` / `timing_compile_s/<call>`: the longest time
+  Python's garbage collector / torch.compile held one of the call's ranks during it
+  (actors.worker.host_pauses); `memory_overruns` names the calls whose measured peak exceeds the
   estimate by more than a margin.
 
 Call records carry the estimate of the plan they ran under (`call_estimates`: seconds and the
@@ -60,7 +61,8 @@ class TimelineRecord:
     peak_reserved_bytes: int | None = None
     est_s: float | None = None
     est_peak_bytes: float | None = None
-    gc_s: float | None = None  # Python garbage collection pauses during the call (actors.worker.gc_pauses)
+    gc_s: float | None = None  # Python garbage collection during the call (actors.worker.host_pauses)
+    compile_s: float | None = None  # torch.compile compiling during the call (same)
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,16 @@ def records_of(iteration: int, name: str, kind: str, ranks: Sequence[int], metas
                 iteration, name, kind, rank, float(meta["start"]), float(meta["end"]),
                 _int_or_none(meta.get("peak_allocated_bytes")), _int_or_none(meta.get("peak_reserved_bytes")),
                 estimate.seconds if estimate else None, estimate.peak_bytes if estimate else None,
-                None if meta.get("gc_s") is None else float(meta["gc_s"])))
+                _float_or_none(meta.get("gc_s")), _float_or_none(meta.get("compile_s"))))
     return out
 
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -109,7 +115,7 @@ def _finite_or_none(value: float) -> float | None:
 
 def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
     """Per call: memory/<call>_peak_gib, memory/<call>_reserved_gib (largest over its ranks; nan,
-    i.e. null, where unmeasured), memory/<call>_est_gib, timing_est_s/<call> and timing_gc_s/<call>."""
+    i.e. null, where unmeasured), memory/<call>_est_gib, timing_est_s/<call>, timing_gc_s/<call> and timing_compile_s/<call>."""
     metrics: dict[str, float] = {}
     for name, items in _calls_by_name(records).items():
         allocated = [r.peak_allocated_bytes for r in items if r.peak_allocated_bytes is not None]
@@ -120,9 +126,10 @@ def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
             metrics[f"memory/{name}_est_gib"] = items[0].est_peak_bytes / GiB
         if items[0].est_s is not None:
             metrics[f"timing_est_s/{name}"] = items[0].est_s
-        paused = [r.gc_s for r in items if r.gc_s is not None]
-        if paused:
-            metrics[f"timing_gc_s/{name}"] = max(paused)
+        for key, values in (("gc", [r.gc_s for r in items]), ("compile", [r.compile_s for r in items])):
+            measured = [v for v in values if v is not None]
+            if measured:
+                metrics[f"timing_{key}_s/{name}"] = max(measured)
     return metrics
 
 

@@ -1,0 +1,97 @@
+"""What stopped a worker's host inside a call: Python's garbage collector, and torch.compile.
+
+A call whose GPU waits on its host (a small model's forward: the 0.5B fidelity run's inference
+calls kept the GPU busy in under half of their samples) is as fast as the host's Python. Two
+things can stall that host for whole seconds at moments no call chooses:
+
+* a full (generation-2) garbage collection, which walks every long-lived object while the
+  process stands still: after warm-up a worker holds a great many (the model's modules,
+  torch.compile's graphs, guards and generated code, Triton's kernels, Ray's state; 0.5M objects
+  take ~0.2 s on this project's CPU machine);
+* a compile by torch.compile (actors.engine.fusion, sampling.compile): seconds each, expected in
+  a call's first run, a bug in any later one (a guard that fails on every new token count).
+
+`HostPauseClock` counts both: collections through `gc.callbacks`, compiles from dynamo's counters
+(`torch._dynamo.utils.counters["frames"]["ok"]` and the `_compile.compile_inner` durations; both
+private, so a torch without them reads as no compiles). `actors.worker.calls.timed` reads it
+around each call: its metadata carries `gc_s`, `gc_full`, `compiles` and `compile_s`, and the
+timeline `timing_gc_s/<call>` and `timing_compile_s/<call>`.
+
+Measured on an H200 (docs/benchmarks.md, issue 27 tenth step): garbage collection took 1-16 ms
+per call after warm-up in a 0.5B GRPO run, seconds only while the first generation compiled. A
+gc.freeze() after warm-up was tried and dropped: it bought nothing measurable.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HostPauses:
+    """Totals since the clock was installed (or their difference over a call)."""
+
+    gc_s: float  # seconds the garbage collector ran
+    gc_full: int  # of which full (generation-2) collections
+    compiles: int  # frames torch.compile compiled (recompiles included)
+    compile_s: float  # seconds it spent compiling them
+
+    def since(self, earlier: HostPauses) -> HostPauses:
+        return HostPauses(self.gc_s - earlier.gc_s, self.gc_full - earlier.gc_full,
+                          self.compiles - earlier.compiles, self.compile_s - earlier.compile_s)
+
+
+def compile_totals() -> tuple[int, float]:
+    """(frames compiled, seconds compiling) by torch.compile in this process so far; (0, 0.0)
+    when dynamo was never imported (nothing compiled) or its private counters are gone."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0, 0.0
+    utils = sys.modules["torch._dynamo.utils"]
+    try:
+        frames = int(utils.counters["frames"]["ok"])
+        seconds = float(sum(utils.compilation_time_metrics.get("_compile.compile_inner", ())))
+    except (AttributeError, KeyError, TypeError):
+        return 0, 0.0
+    return frames, seconds
+
+
+class HostPauseClock:
+    """Sums this process's garbage collections (any thread's) while installed, and reads
+    torch.compile's totals."""
+
+    def __init__(self) -> None:
+        self._gc_s = 0.0
+        self._gc_full = 0
+        self._started: float | None = None
+
+    def install(self) -> HostPauseClock:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+        return self
+
+    def uninstall(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def reading(self) -> HostPauses:
+        compiles, compile_s = compile_totals()
+        return HostPauses(self._gc_s, self._gc_full, compiles, compile_s)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # gc calls back with phase "start" before and "stop" after each collection, in the thread
+        # that triggered it, with the GIL held: no other Python code runs in between.
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is not None:
+            self._gc_s += time.perf_counter() - self._started
+            self._started = None
+            if info.get("generation") == 2:
+                self._gc_full += 1
+
+
+__all__ = ["HostPauseClock", "HostPauses", "compile_totals"]

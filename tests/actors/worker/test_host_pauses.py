@@ -1,0 +1,61 @@
+"""What stalled a worker's host: garbage collections and torch.compile's compiles, as the pause
+clock counts them (actors.worker.host_pauses)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from actors.worker.host_pauses import HostPauseClock, HostPauses, compile_totals
+
+pytestmark = pytest.mark.unit
+
+
+def _cycles(n: int) -> None:
+    """n reference cycles that only the collector can free."""
+    for _ in range(n):
+        a: list[object] = []
+        a.append(a)
+
+
+def test_the_clock_counts_full_collections_and_their_time() -> None:
+    clock = HostPauseClock().install()
+    try:
+        before = clock.reading()
+        _cycles(1000)
+        gc.collect()
+        gc.collect(0)
+        during = clock.reading().since(before)
+    finally:
+        clock.uninstall()
+    assert during.gc_full == 1  # gc.collect(0) is a young collection
+    assert during.gc_s > 0.0 and during.compiles == 0
+    gc.collect()  # uninstalled: no longer counted
+    assert clock.reading().since(before).gc_full == 1
+    assert clock.install().install() is clock and gc.callbacks.count(clock._on_gc) == 1
+    clock.uninstall()
+    assert clock._on_gc not in gc.callbacks
+
+
+def test_the_clock_counts_compiles_and_recompiles() -> None:
+    clock = HostPauseClock()
+
+    def double_sin(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2
+
+    compiled = torch.compile(double_sin, dynamic=False)
+    before = clock.reading()
+    compiled(torch.randn(8))
+    compiled(torch.randn(8))  # the same shape: the compiled code is reused
+    first = clock.reading().since(before)
+    compiled(torch.randn(9))  # a new static shape: compiled again
+    second = clock.reading().since(before)
+    assert first.compiles == 1 and first.compile_s > 0.0
+    assert second.compiles == 2 and second.compile_s > first.compile_s
+    assert compile_totals()[0] >= 2
+
+
+def test_since_subtracts_every_total() -> None:
+    assert HostPauses(1.5, 3, 4, 2.0).since(HostPauses(0.5, 1, 1, 0.5)) == HostPauses(1.0, 2, 3, 1.5)
