@@ -12,8 +12,9 @@ things can stall that host for whole seconds at moments no call chooses:
   a call's first run, a bug in any later one (a guard that fails on every new token count).
 
 `HostPauseClock` counts both: collections through `gc.callbacks`, compiles from dynamo's counters
-(`torch._dynamo.utils.counters["frames"]["ok"]` and the `_compile.compile_inner` durations; both
-private, so a torch without them reads as no compiles). `actors.worker.calls.timed` reads it
+(`torch._dynamo.utils.counters["stats"]["unique_graphs"]`, which fullgraph compiles bump too where
+`frames.ok` stays 0, and the `_compile.compile_inner` durations; both private, so a torch without
+them reads as no compiles). `actors.worker.calls.timed` reads it
 around each call: its metadata carries `gc_s`, `gc_full`, `compiles` and `compile_s`, and the
 timeline `timing_gc_s/<call>` and `timing_compile_s/<call>`.
 
@@ -37,7 +38,7 @@ class HostPauses:
 
     gc_s: float  # seconds the garbage collector ran
     gc_full: int  # of which full (generation-2) collections
-    compiles: int  # frames torch.compile compiled (recompiles included)
+    compiles: int  # graphs torch.compile compiled (recompiles included)
     compile_s: float  # seconds it spent compiling them
 
     def since(self, earlier: HostPauses) -> HostPauses:
@@ -46,17 +47,17 @@ class HostPauses:
 
 
 def compile_totals() -> tuple[int, float]:
-    """(frames compiled, seconds compiling) by torch.compile in this process so far; (0, 0.0)
+    """(graphs compiled, seconds compiling) by torch.compile in this process so far; (0, 0.0)
     when dynamo was never imported (nothing compiled) or its private counters are gone."""
     if "torch._dynamo.utils" not in sys.modules:
         return 0, 0.0
     utils = sys.modules["torch._dynamo.utils"]
     try:
-        frames = int(utils.counters["frames"]["ok"])
+        graphs = int(utils.counters["stats"]["unique_graphs"])
         seconds = float(sum(utils.compilation_time_metrics.get("_compile.compile_inner", ())))
     except (AttributeError, KeyError, TypeError):
         return 0, 0.0
-    return frames, seconds
+    return graphs, seconds
 
 
 class HostPauseClock:

@@ -45,16 +45,21 @@ def test_the_clock_counts_compiles_and_recompiles() -> None:
     def double_sin(x: torch.Tensor) -> torch.Tensor:
         return x.sin() * 2
 
-    compiled = torch.compile(double_sin, dynamic=False)
-    before = clock.reading()
-    compiled(torch.randn(8))
-    compiled(torch.randn(8))  # the same shape: the compiled code is reused
-    first = clock.reading().since(before)
-    compiled(torch.randn(9))  # a new static shape: compiled again
-    second = clock.reading().since(before)
-    assert first.compiles == 1 and first.compile_s > 0.0
-    assert second.compiles == 2 and second.compile_s > first.compile_s
-    assert compile_totals()[0] >= 2
+    def triple_cos(x: torch.Tensor) -> torch.Tensor:  # its own code: dynamo caches per code object
+        return x.cos() * 3
+
+    # fullgraph (as actors.engine.fusion compiles) counts too
+    for fn, fullgraph in ((double_sin, False), (triple_cos, True)):
+        compiled = torch.compile(fn, dynamic=False, fullgraph=fullgraph)
+        before = clock.reading()
+        compiled(torch.randn(8))
+        compiled(torch.randn(8))  # the same shape: the compiled code is reused
+        first = clock.reading().since(before)
+        compiled(torch.randn(9))  # a new static shape: compiled again
+        second = clock.reading().since(before)
+        assert first.compiles == 1 and first.compile_s > 0.0
+        assert second.compiles == 2 and second.compile_s > first.compile_s
+    assert compile_totals()[0] >= 4
 
 
 def test_since_subtracts_every_total() -> None:
