@@ -123,13 +123,17 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
         result.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return result
     timed = rows[1:]
+
+    def per_call_mean(group: str) -> dict[str, float]:
+        """Each call's `<group>/<call>` metric, mean of the timed steps (0 where not logged)."""
+        return {name: sum(r.get(f"{group}/{name}") or 0.0 for r in timed) / len(timed) for name in calls}
+
     result.step_s = [r["timing_s/iteration"] for r in timed]
     result.tokens = [round(r["rollout/response_length_mean"] * work.sequences) for r in timed]
-    result.calls = {name: sum(r.get(f"timing_s/{name}", 0.0) for r in timed) / len(timed) for name in calls}
+    result.calls = per_call_mean("timing_s")
     phase_keys = sorted({k for r in timed for k in r if k.startswith("gen/") and k.endswith("_s")})
     result.phases = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in phase_keys}
-    result.gc_s, result.compile_s = ({name: sum(r.get(f"timing_{key}_s/{name}") or 0.0 for r in timed) / len(timed)
-                                      for name in calls} for key in ("gc", "compile"))
+    result.gc_s, result.compile_s = per_call_mean("timing_gc_s"), per_call_mean("timing_compile_s")
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
                        f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
                        f"sampling.compile={cfg.sampling.compile}")

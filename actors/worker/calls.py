@@ -52,7 +52,7 @@ from actors.worker.data import (
 )
 from actors.worker.execution import MicroBatching, plan_micro_batching
 from actors.worker.guards import score_rows
-from actors.worker.host_pauses import HostPauseClock
+from actors.worker.host_pauses import HOST_PAUSE_KEYS, HostPauseClock
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from planning.plan import CallExecution, Placement, check_execution_kind
 
@@ -297,19 +297,18 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     probe.reset()
-    before = pauses.reading() if pauses is not None else None
+    paused_before = pauses.reading() if pauses is not None else None
     start = time.time()
     meta, data = fn(ctx, inputs)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     end = time.time()
     peak = probe.peak()
-    during = pauses.reading().since(before) if pauses is not None and before is not None else None
+    paused = (asdict(pauses.reading().since(paused_before)) if pauses is not None and paused_before is not None
+              else dict.fromkeys(HOST_PAUSE_KEYS))
     return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
             "seconds": end - start, "peak_allocated_bytes": peak.allocated_bytes if peak else None,
-            "peak_reserved_bytes": peak.reserved_bytes if peak else None,
-            **(asdict(during) if during else dict.fromkeys(("gc_s", "gc_full", "compiles", "compile_s"))),
-            **meta}, data
+            "peak_reserved_bytes": peak.reserved_bytes if peak else None, **paused, **meta}, data
 
 
 __all__ = [

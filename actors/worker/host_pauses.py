@@ -14,9 +14,9 @@ things can stall that host for whole seconds at moments no call chooses:
 `HostPauseClock` counts both: collections through `gc.callbacks`, compiles from dynamo's counters
 (`torch._dynamo.utils.counters["stats"]["unique_graphs"]`, which fullgraph compiles bump too where
 `frames.ok` stays 0, and the `_compile.compile_inner` durations; both private, so a torch without
-them reads as no compiles). `actors.worker.calls.timed` reads it
-around each call: its metadata carries `gc_s`, `gc_full`, `compiles` and `compile_s`, and the
-timeline `timing_gc_s/<call>` and `timing_compile_s/<call>`.
+them reads as no compiles). `actors.worker.calls.timed` reads it around each call: its metadata
+carries `HOST_PAUSE_KEYS` (`gc_s`, `gc_full`, `compiles`, `compile_s`), and the timeline
+`timing_gc_s/<call>` and `timing_compile_s/<call>`.
 
 Measured on an H200 (docs/benchmarks.md, issue 27 tenth step): garbage collection took 1-16 ms
 per call after warm-up in a 0.5B GRPO run, seconds only while the first generation compiled. A
@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -44,6 +44,10 @@ class HostPauses:
     def since(self, earlier: HostPauses) -> HostPauses:
         return HostPauses(self.gc_s - earlier.gc_s, self.gc_full - earlier.gc_full,
                           self.compiles - earlier.compiles, self.compile_s - earlier.compile_s)
+
+
+# The metadata keys of a call's pauses (None where the call was not clocked).
+HOST_PAUSE_KEYS = tuple(f.name for f in fields(HostPauses))
 
 
 def compile_totals() -> tuple[int, float]:
@@ -95,4 +99,4 @@ class HostPauseClock:
                 self._gc_full += 1
 
 
-__all__ = ["HostPauseClock", "HostPauses", "compile_totals"]
+__all__ = ["HOST_PAUSE_KEYS", "HostPauseClock", "HostPauses", "compile_totals"]

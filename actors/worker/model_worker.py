@@ -30,6 +30,7 @@ world, in sorted order), and each placement's `ParallelGroups` is looked up from
 from __future__ import annotations
 
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -80,6 +81,7 @@ class ModelWorker:
         # Peak memory (a subclass may install another probe) and host pauses (gc, compiles) of each call.
         self.memory_probe: MemoryProbe = memory_probe_for(self.device)
         self.host_pauses = HostPauseClock().install()
+        weakref.finalize(self, self.host_pauses.uninstall)  # gc.callbacks is process-wide: no leftovers
         self._groups = ReallocGroups()
         self._timeout: timedelta | None = None  # the world's collective timeout, for every group
         self._roles: dict[str, RoleState] = {}

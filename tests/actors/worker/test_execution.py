@@ -123,3 +123,9 @@ def test_each_call_reports_what_stalled_its_host() -> None:
         assert worker.host_pauses.reading().since(before).gc_full == 1
     finally:
         worker.host_pauses.uninstall()
+    callbacks = len(gc.callbacks)
+    short_lived = ModelWorker(0, 1, "cpu")
+    assert len(gc.callbacks) == callbacks + 1
+    del short_lived
+    gc.collect()
+    assert len(gc.callbacks) == callbacks  # a worker's clock leaves with it
