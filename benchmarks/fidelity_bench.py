@@ -3,6 +3,7 @@
     python benchmarks/fidelity_bench.py --out DIR          # one H200: the sweep + the issue's "Why" run
     python benchmarks/fidelity_bench.py --tiny --out DIR   # CPU, tiny models, virtual GPU: a quick check
     python benchmarks/fidelity_bench.py --sizes --iterations 2 --out DIR   # 0.5B/1.5B/3B actors, before calibration
+    python benchmarks/fidelity_bench.py --sizes --steady 4 --out DIR   # first plans against 4 measured iterations
 
 PPO and GRPO with Llama-3.2-1B-shaped models (random weights; the actor, its reference, a reward
 model, and PPO's critic) on one GPU, over a sweep of batch shapes (64-512 sequences, 128-1024
@@ -17,7 +18,11 @@ Per call it reports the estimate before calibration against the measured time an
 first iteration after warm-up (iteration 1), the calibrated estimate against the same iteration
 (fitted) and against the next one (held out), whether any call ran out of memory although the
 plan called it feasible, and how long Python's garbage collector and torch.compile held the call
-in iteration 1 (`gc s`, `comp s`: the longest on one rank; actors.worker.host_pauses). First,
+in iteration 1 (`gc s`, `comp s`: the longest on one rank; actors.worker.host_pauses). With
+`--steady N` the first plan is kept for the whole run (no calibration) and each call's estimate
+is compared with its median over iterations 1..N, the table showing the fastest and slowest of
+them (`min s`, `max s`): a small model's calls wait on the host, and one iteration of them varies
+up to 2.5x between runs (docs/benchmarks.md, issue 27, tenth step). First,
 the issue's "Why" shape (GRPO, 1B actor + 1B reward model, 64 prompts x 8 samples, 128-token
 prompts, 512 new tokens, ppo_minibatches=1, no allocator setting by the user) runs
 WHY_ITERATIONS iterations.
@@ -110,9 +115,10 @@ def write_prompts(path: Path, n: int, prompt_len: int, seed: int = 0) -> None:
             sink.write(json.dumps({"prompt": "".join(rng.choice("0123456789") for _ in range(prompt_len - 1))}) + "\n")
 
 
-def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
-    """The experiment of one shape (a plan searched for one GPU, recalibrated after 2 iterations),
-    written to <run_dir>/config.yaml so that `python -m app train` can repeat it."""
+def shape_config(shape: Shape, tiny: bool, run_dir: Path, recalibrate: bool = True) -> ExperimentConfig:
+    """The experiment of one shape (a plan searched for one GPU, recalibrated after 2 iterations
+    unless not `recalibrate`), written to <run_dir>/config.yaml so that `python -m app train` can
+    repeat it."""
     data = run_dir / "prompts.jsonl"
     write_prompts(data, shape.prompts * 2, shape.prompt_len)
     model, critic = ("tiny", "tiny-critic") if tiny else (shape.actor, shape.critic)
@@ -127,7 +133,7 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
                   "ppo_minibatches": shape.minibatches, "group_size": shape.group},
         "cluster": cluster,
         "plan": {"mode": "search", "seconds": 1 if tiny else 3, "memory_margin": 0.1,
-                 "recalibrate_after": RECALIBRATE_AFTER},
+                 "recalibrate_after": RECALIBRATE_AFTER if recalibrate else None},
         "data": {"path": str(data), "tokenizer": "toy", "max_prompt_len": shape.prompt_len},
         "reward": {"function": None},
         "tracking": {"wandb": False, "console": False},
@@ -138,14 +144,17 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path) -> ExperimentConfig:
     return load_config(run_dir / "config.yaml")
 
 
-def run_shape(shape: Shape, tiny: bool, out: Path) -> dict[str, Any]:
+def run_shape(shape: Shape, tiny: bool, out: Path, steady: int = 0) -> dict[str, Any]:
     """Train one shape in a new directory out/<shape name>; returns what ran (iterations, OOM,
-    error) and the per-call comparison."""
+    error) and the per-call comparison. steady > 0: the first plan kept for 1 + steady
+    iterations, measured over iterations 1..steady (module docstring)."""
     from app.run import Driver, DriverError
 
     run_dir = out / shape.name
     run_dir.mkdir(parents=True)  # out is this run's own directory: a second run never reuses a run.dir
-    cfg = shape_config(shape, tiny, run_dir)
+    if steady:
+        shape = replace(shape, iterations=1 + steady)
+    cfg = shape_config(shape, tiny, run_dir, recalibrate=not steady)
     start = time.perf_counter()
     error, iterations = "", 0
     try:
@@ -156,7 +165,8 @@ def run_shape(shape: Shape, tiny: bool, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"shape": asdict(shape), "wall_s": time.perf_counter() - start, "iterations": iterations,
                               "error": error, "oom": any(m in error for m in OOM_MARKERS),
                               "planned": (run_dir / "plan.json").is_file()}
-    result.update(compare(run_dir))
+    result["steady"] = steady
+    result.update(compare(run_dir, range(1, 1 + steady) if steady else range(1, 2)))
     return result
 
 
@@ -173,8 +183,17 @@ def _paused(records: list[TimelineRecord], name: str, iteration: int, field: str
     return max(measured) if measured else None
 
 
-def compare(run_dir: Path) -> dict[str, Any]:
-    """Per call: estimated vs measured seconds and peak GiB, before and after calibration."""
+def _measured(records: list[TimelineRecord], name: str, iterations: range) -> dict[str, float | None]:
+    """The call's median seconds over `iterations` (those it ran), and the fastest and slowest."""
+    seconds = [s for s in (_call_seconds(records, name, i) for i in iterations) if s is not None]
+    if not seconds:
+        return {"measured_s": None, "measured_min_s": None, "measured_max_s": None}
+    return {"measured_s": statistics.median(seconds), "measured_min_s": min(seconds), "measured_max_s": max(seconds)}
+
+
+def compare(run_dir: Path, measured: range = range(1, 2)) -> dict[str, Any]:
+    """Per call: estimated vs measured seconds (the median over the iterations `measured`) and
+    peak GiB, before and after calibration (where the run calibrated)."""
     records = read_records(run_dir / "timeline.jsonl")
     history_file = run_dir / "plan_history.jsonl"
     history = json.loads(history_file.read_text().splitlines()[0]) if history_file.is_file() else None
@@ -189,7 +208,7 @@ def compare(run_dir: Path) -> dict[str, Any]:
         after = (history or {}).get("calls", {}).get(name, {})
         rows.append({
             "call": name, "runs_as": {k: call.get(k) for k in ("micro_batch_tokens", "micro_batches", "gen_rounds")},
-            "est_s": mine[0].est_s, "measured_s": _call_seconds(records, name, 1), "gc_s": _paused(records, name, 1, "gc_s"),
+            "est_s": mine[0].est_s, **_measured(records, name, measured), "gc_s": _paused(records, name, 1, "gc_s"),
             "compile_s": _paused(records, name, 1, "compile_s"),
             "est_after_s": after.get("est_after_s"), "held_out_s": _call_seconds(records, name, RECALIBRATE_AFTER),
             "est_peak_gib": mine[0].est_peak_bytes / GIB if mine[0].est_peak_bytes else None,
@@ -203,7 +222,7 @@ def compare(run_dir: Path) -> dict[str, Any]:
         "mem_after": _errors(rows, "est_peak_after_gib", "measured_peak_gib"),
     }
     switched = [entry for entry in plan.get("history", []) if entry.get("switched")]
-    return {"calls": rows, "errors": errors, "switched_at": plan.get("since_iteration") if switched else None,
+    return {"measured_iterations": list(measured), "calls": rows, "errors": errors, "switched_at": plan.get("since_iteration") if switched else None,
             "efficiency": (history or {}).get("efficiency"), "memory_scale": (history or {}).get("memory_scale"),
             "step": step_comparison(run_dir, records, history), "optimizer_offload": plan.get("optimizer_offload")}
 
@@ -249,20 +268,25 @@ def print_calls(result: dict[str, Any]) -> None:
     if step.get("measured_s"):
         share = f", optimizer offload {step['offload_s']:.2f} s of it" if step.get("offload_s") else ""
         est = f"{step['est_after_s']:.2f}" if step.get("est_after_s") else "-"
-        print(f"  step after calibration: measured {step['measured_s']:.2f} s, estimated {est} s{share}; "
+        when = "at the first plan, iterations 2 on" if result.get("steady") else "after calibration"
+        print(f"  step {when}: measured {step['measured_s']:.2f} s, estimated {est} s{share}; "
               f"optimizer offload in the plan: {result.get('optimizer_offload')}")
-    print(f"  {'call':<13} {'runs as':<22} {'est s':>7} {'meas s':>7} {'cal s':>7} {'held s':>7} "
-          f"{'est GiB':>8} {'meas GiB':>8} {'cal GiB':>8} {'gc s':>6} {'comp s':>6}")
+    measured = result.get("measured_iterations") or [1]
+    if result.get("steady"):
+        print(f"  meas s: the median of iterations {measured[0]}-{measured[-1]} (min s, max s: the fastest and "
+              "slowest), all at the first plan")
+    print(f"  {'call':<13} {'runs as':<22} {'est s':>7} {'meas s':>7} {'min s':>7} {'max s':>7} {'cal s':>7} "
+          f"{'held s':>7} {'est GiB':>8} {'meas GiB':>8} {'cal GiB':>8} {'gc s':>6} {'comp s':>6}")
     for row in result["calls"]:
         how = row["runs_as"]
         runs = (f"{how['gen_rounds']} round(s)" if how["gen_rounds"]
                 else f"{how['micro_batches']} x {how['micro_batch_tokens']} tok")
-        cells = [row[k] for k in ("est_s", "measured_s", "est_after_s", "held_out_s", "est_peak_gib",
-                                  "measured_peak_gib", "est_peak_after_gib")]
+        cells = [row.get(k) for k in ("est_s", "measured_s", "measured_min_s", "measured_max_s", "est_after_s",
+                                      "held_out_s", "est_peak_gib", "measured_peak_gib", "est_peak_after_gib")]
         text = ["-" if v is None else f"{v:.3g}" for v in cells]
         pauses = ["-" if row.get(k) is None else f"{row[k]:.3f}" for k in ("gc_s", "compile_s")]
-        print(f"  {row['call']:<13} {runs:<22} " + " ".join(f"{t:>7}" for t in text[:4]) + " "
-              + " ".join(f"{t:>8}" for t in text[4:]) + " " + " ".join(f"{t:>6}" for t in pauses))
+        print(f"  {row['call']:<13} {runs:<22} " + " ".join(f"{t:>7}" for t in text[:6]) + " "
+              + " ".join(f"{t:>8}" for t in text[6:]) + " " + " ".join(f"{t:>6}" for t in pauses))
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
@@ -306,9 +330,15 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=0,
                         help="iterations of every run (default: each shape's own); 2 measures the plan "
                              "before calibration only (iteration 0 warms up, iteration 1 is compared)")
+    parser.add_argument("--steady", type=int, default=0,
+                        help="keep the first plan (no calibration) for 1 + STEADY iterations and compare each "
+                             "call's estimate with its median over iterations 1..STEADY")
     args = parser.parse_args()
     if args.iterations < 0 or args.iterations == 1:
         parser.error(f"--iterations={args.iterations}: 0 (each shape's own) or >= 2 (iteration 1 is the one measured)")
+    if args.steady < 0 or (args.steady and args.iterations):
+        parser.error(f"--steady={args.steady}: >= 1 measured iterations after the warm-up, and not with --iterations "
+                     "(the run then has 1 + STEADY)")
     out = fresh_run_dir(Path(args.out).resolve())
     print(f"run directory: {out}", flush=True)
     # The issue's run first: if the device's time limit cuts the sweep short, it is not the one lost.
@@ -323,11 +353,12 @@ def main() -> None:
     start_ray(args.tiny)
     results = []
     for shape in shapes:
-        results.append(run_shape(shape, args.tiny, out))
+        results.append(run_shape(shape, args.tiny, out, args.steady))
         print_calls(results[-1])
         (out / "fidelity.json").write_text(json.dumps(results, indent=1))
-    print("\nerrors: median/max over calls of |estimate / measured - 1|; before = the searched plan's estimate, "
-          "after = calibrated on iteration 1 (fit) and checked on iteration 2 (held out)")
+    measured = f"the median of iterations 1-{args.steady}" if args.steady else "iteration 1"
+    print(f"\nerrors: median/max over calls of |estimate / measured - 1| (measured: {measured}); before = the "
+          "searched plan's estimate, after = calibrated on iteration 1 (fit) and checked on iteration 2 (held out)")
     print(f"results: {out / 'fidelity.json'}")
     print(summary_table(results))
 

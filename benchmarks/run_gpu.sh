@@ -59,6 +59,9 @@ profile_arg=(); [[ -f $out/profile.json ]] && profile_arg=(plan.profile="$out/pr
 # (5 iterations). Not in the default set: alone it takes ~8 minutes, e.g. on `nvidia-h200`:
 #   run(command="ONLY=fidelity bash benchmarks/run_gpu.sh", carry=[".whl"], kind="nvidia-h200")
 # Issue 27: FIDELITY_ARGS="--sizes --iterations 2" (0.5B-8B actors, first plans only, ~8 minutes);
+# FIDELITY_ARGS="--steady 4 --only size-0.5b-grpo-64x8x256+512-mb4" keeps the first plan for 5
+# iterations and compares it with the median of iterations 1-4 (a host-bound call's one iteration
+# varies up to 2.5x);
 # benchmarks/fit_efficiency.py then fits the preset's factors to the results on any machine.
 [[ $only == *fidelity* ]] && LIMIT=${FIDELITY_LIMIT:-540} CUDA_VISIBLE_DEVICES=${FIDELITY_GPU:-0} \
   run fidelity python3 benchmarks/fidelity_bench.py --out "$out/fidelity" ${FIDELITY_ARGS:-}

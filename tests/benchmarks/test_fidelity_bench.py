@@ -73,3 +73,42 @@ def check_efficiency_fit(run: Path) -> None:
     fitted = fit(runs, start, ("gemm", "decode", "elementwise"))
     after = [abs(e) for r in runs for e in run_errors(r, fitted).values()]
     assert max(before) > 0.3 and max(after) < 0.05, (before, after, fitted)
+
+
+def test_steady_compares_the_first_plan_with_the_median_of_its_iterations(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """--steady N: each call's estimate against its median over iterations 1..N (not one
+    iteration: a host-bound call varies between iterations), with the fastest and slowest shown."""
+    from app.reporting.timeline import TimelineRecord, append_records
+    from benchmarks.fidelity_bench import compare, print_calls
+
+    calls = [{"name": "ref_inf", "micro_batch_tokens": 1024, "micro_batches": 4, "gen_rounds": None}]
+    (tmp_path / "plan.json").write_text(json.dumps({"calls": calls}))
+    seconds = {0: 9.0, 1: 1.0, 2: 3.0, 3: 1.2}  # iteration 0 warms up (compiles) and is left out
+    at = 100.0
+    records = []
+    for iteration, spent in seconds.items():
+        records += [TimelineRecord(iteration, "ref_inf", "call", rank, at, at + spent * (0.5 + 0.5 * rank), est_s=1.5,
+                                   est_peak_bytes=2**30) for rank in (0, 1)]
+        at += 10.0
+    append_records(tmp_path / "timeline.jsonl", records)
+    result = compare(tmp_path, range(1, 4))
+    row = result["calls"][0]
+    # A call's seconds: its first rank's start to its last rank's end (rank 1 ends last here).
+    assert (row["measured_s"], row["measured_min_s"], row["measured_max_s"]) == pytest.approx((1.2, 1.0, 3.0))
+    assert result["measured_iterations"] == [1, 2, 3]
+    assert result["errors"]["time_before"]["median"] == pytest.approx(1.5 / 1.2 - 1)
+    single = compare(tmp_path)  # the default: iteration 1 alone
+    assert single["calls"][0]["measured_s"] == single["calls"][0]["measured_max_s"] == pytest.approx(1.0)
+    result.update({"shape": {"name": "toy"}, "iterations": 4, "wall_s": 1.0, "error": "", "steady": 3})
+    print_calls(result)
+    printed = capsys.readouterr().out
+    assert "median of iterations 1-3" in printed
+    assert printed.splitlines()[-1].split()[:8] == ["ref_inf", "4", "x", "1024", "tok", "1.5", "1.2", "1"]
+
+
+def test_steady_and_iterations_exclude_each_other() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--steady", "2", "--iterations", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--steady=2" in done.stderr, done.stderr[-2000:]
