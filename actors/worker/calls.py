@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
 from actors.worker.data import (
@@ -54,6 +53,7 @@ from actors.worker.execution import MicroBatching, plan_micro_batching
 from actors.worker.guards import score_rows
 from actors.worker.host_pauses import HOST_PAUSE_KEYS, HostPauseClock
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
+from actors.worker.texts import decode_rows
 from planning.plan import CallExecution, Placement, check_execution_kind
 
 KINDS = ("generate", "inference", "train")
@@ -176,15 +176,6 @@ def run_rule_reward(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[di
                         ctx.call.iteration, p, cols.get("prompt_index"))
     out_key = str(p.get("out_key", "rewards"))
     return shard_of_my_rows(ctx, {out_key: scores}, {"rewards": scores})
-
-
-def decode_rows(tokenizer: Any, rows: Sequence[Tensor]) -> list[str]:
-    """Each row's text (special tokens skipped); one batched call where the tokenizer has one
-    (an HF fast tokenizer then decodes the rows in parallel in Rust, off the GIL)."""
-    ids = [t.tolist() for t in rows]
-    if hasattr(tokenizer, "batch_decode"):
-        return list(tokenizer.batch_decode(ids, skip_special_tokens=True))
-    return [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
 
 
 def _packed_inputs(ctx: CallContext, inputs: Sequence[dict | None], prefix: str = "") -> tuple[SequenceBatch, list[int], list[int]]:

@@ -13,7 +13,7 @@ import torch
 
 from actors.engine import AdamWConfig, ModelEngine, ParallelGroups, SequenceBatch
 from actors.rl import LossSums
-from actors.worker.guards import NonFiniteError, RewardTimeoutError, check_update, score_rows
+from actors.worker.guards import NonFiniteError, RewardFunctionError, RewardTimeoutError, check_update, score_rows
 from actors.worker.progress import activity
 from planning.models import ModelSpec
 
@@ -113,3 +113,52 @@ def test_activity_reports_the_method_and_where_the_call_thread_is() -> None:
     assert found["busy"] and found["method"] == "work" and not found["in_collective"]
     assert "test_guards.py" in found["where"]
     thread.join()
+
+
+def test_the_time_limit_holds_per_row_not_per_call() -> None:
+    """A call's rows run as one sweep on the helper thread; the limit still applies to each row:
+    three rows of 0.3 s under a 0.5 s limit pass, the slow row of a later call is named."""
+    def steady(prompt: str, response: str, answer: str | None) -> float:
+        time.sleep(0.3)
+        return 1.0
+
+    assert score_rows(steady, "fn", PROMPTS, RESPONSES, ANSWERS, 0, "rew", 0, {"reward_timeout_s": 0.5}) == [1.0] * 3
+    calls: list[str] = []
+
+    def second_is_slow(prompt: str, response: str, answer: str | None) -> float:
+        calls.append(response)
+        time.sleep(1.0 if response == "y" else 0.0)
+        return 1.0
+
+    with pytest.raises(RewardTimeoutError, match=r"sample 4 \(prompt index 8\)"):
+        score_rows(second_is_slow, "fn", PROMPTS, RESPONSES, ANSWERS, 3, "rew", 0, {"reward_timeout_s": 0.3}, [7, 8, 9])
+    time.sleep(1.0)  # the abandoned helper finishes "y" and scores no further row
+    assert calls == ["x", "y"]
+    # The next call of this thread gets a fresh helper.
+    assert score_rows(lambda p, r, a: 2.0, "fn", PROMPTS, RESPONSES, ANSWERS, 0, "rew", 0, {}) == [2.0] * 3
+
+
+def test_rows_are_judged_in_order_and_a_raising_row_ends_the_sweep() -> None:
+    calls: list[str] = []
+
+    def nan_then_slow(prompt: str, response: str, answer: str | None) -> float:
+        calls.append(response)
+        if response == "x":
+            return math.nan
+        time.sleep(1.0)
+        return 1.0
+
+    # Row 10 is non-finite, row 11 overruns: the earlier fault is the one reported.
+    with pytest.raises(NonFiniteError, match="returned nan for sample 10"):
+        score_rows(nan_then_slow, "fn", PROMPTS, RESPONSES, ANSWERS, 10, "rew", 0, {"reward_timeout_s": 0.2})
+    calls.clear()
+
+    def raises_on_y(prompt: str, response: str, answer: str | None) -> float:
+        calls.append(response)
+        if response == "y":
+            raise KeyError("missing")
+        return 1.0
+
+    with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'missing' on sample 11 \(prompt index 11\)"):
+        score_rows(raises_on_y, "mod:fn", PROMPTS, RESPONSES, ANSWERS, 10, "rew_inf", 1, {})
+    assert calls == ["x", "y"]  # row 12 was never called
