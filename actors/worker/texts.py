@@ -7,10 +7,10 @@ tokens per step). Two things make that cheap:
   are decoded once: GRPO's 512 prompts are 64 distinct ones.
 * An HF fast tokenizer's `batch_decode` decodes row after row in Python, holding the GIL; its
   Rust backend's `decode_batch` decodes the rows in parallel threads with the GIL released. The
-  two agree unless the Python wrapper post-processes a decoded text (its
-  `clean_up_tokenization_spaces`, applied by some tokenizers and versions and not others), so
-  `decodes_like_backend` checks that on a probe text once per tokenizer and the backend is used
-  only where it gives the same strings.
+  two agree unless the Python wrapper post-processes a decoded text (a subclass with decoding of
+  its own, or `clean_up_tokenization_spaces`, applied by some tokenizers and versions and not
+  others), so `decodes_like_backend` checks both, the second on a probe text once per
+  tokenizer, and the backend is used only where it gives the same strings.
 
 On a 2-core development machine, the peer bench's 512 responses: 0.133 s with `batch_decode`,
 0.063 s with `decode_batch` (docs/benchmarks.md, issue 27, eleventh step).
@@ -31,10 +31,17 @@ _BACKEND_AGREES: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionar
 
 
 def decodes_like_backend(tokenizer: Any) -> bool:
-    """Whether `tokenizer.decode` returns what its Rust backend's `decode` does (HF fast
-    tokenizers without a post-processing clean-up), checked on CLEANUP_PROBE once per tokenizer."""
+    """Whether `tokenizer.decode` returns what its Rust backend's `decode` does: an HF fast
+    tokenizer whose class keeps the base class's decoding (Whisper's or Wav2Vec2's, say, do not)
+    and adds no clean-up (checked on CLEANUP_PROBE once per tokenizer)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch"):
+        return False
+    from transformers import PreTrainedTokenizerFast  # loaded already: the tokenizer is one of its
+
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
+            getattr(type(tokenizer), name) is not getattr(PreTrainedTokenizerFast, name)
+            for name in ("decode", "_decode", "batch_decode")):
         return False
     try:
         known = _BACKEND_AGREES.get(tokenizer)

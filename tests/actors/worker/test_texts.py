@@ -38,26 +38,26 @@ def word_piece_tokenizer() -> PreTrainedTokenizerFast:
                                    clean_up_tokenization_spaces=True)
 
 
-class CountingTokenizer:
-    """Wraps an HF fast tokenizer and counts the rows its backend's decode_batch is given."""
+class CountingBackend:
+    """A Rust tokenizer that counts the rows its decode_batch is given."""
 
-    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.batched_rows: list[int] = []
-        outer = self
 
-        class Backend:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(inner.backend_tokenizer, name)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-            def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-                outer.batched_rows.append(len(ids))
-                return inner.backend_tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
+    def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        self.batched_rows.append(len(ids))
+        return self.inner.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
-        self.backend_tokenizer = Backend()
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+class OwnDecode(PreTrainedTokenizerFast):
+    """A subclass with decoding of its own (as Whisper's tokenizer has)."""
+
+    def _decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
 
 
 def rows_of(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[torch.Tensor]:
@@ -75,12 +75,13 @@ def test_byte_level_rows_decode_in_the_backend_as_the_tokenizer_would() -> None:
 
 
 def test_rows_that_are_one_tensor_are_decoded_once() -> None:
-    tokenizer = CountingTokenizer(byte_level_tokenizer())
-    prompts = rows_of(tokenizer.inner, ["hello", "world ."])
+    tokenizer = byte_level_tokenizer()
+    counting = tokenizer._tokenizer = CountingBackend(tokenizer.backend_tokenizer)
+    prompts = rows_of(tokenizer, ["hello", "world ."])
     rows = [prompts[i // 4] for i in range(8)]  # 2 prompts x 4 samples, as generation hands them over
     rows.append(prompts[0].clone())  # equal ids in another tensor: decoded on its own
     assert decode_rows(tokenizer, rows) == ["hello"] * 4 + ["world ."] * 4 + ["hello"]
-    assert tokenizer.batched_rows == [3]
+    assert counting.batched_rows == [3]
 
 
 def test_a_tokenizer_whose_decode_cleans_up_keeps_its_own_decode() -> None:
@@ -90,6 +91,12 @@ def test_a_tokenizer_whose_decode_cleans_up_keeps_its_own_decode() -> None:
     assert not decodes_like_backend(tokenizer)
     rows = rows_of(tokenizer, ["hello world .", "a , b ! c ?", "it 's d"])
     assert decode_rows(tokenizer, rows) == [tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in rows]
+
+
+def test_a_subclass_that_decodes_its_own_way_keeps_its_decode() -> None:
+    tokenizer = OwnDecode(tokenizer_object=byte_level_bpe(1024), bos_token=SPECIALS[0], eos_token=SPECIALS[1])
+    assert not decodes_like_backend(tokenizer)
+    assert decode_rows(tokenizer, rows_of(tokenizer, ["hello world"])) == ["HELLO WORLD"]
 
 
 def test_a_plain_tokenizer_decodes_row_by_row() -> None:
