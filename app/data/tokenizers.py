@@ -136,10 +136,13 @@ class RewardText:
     # ---- from the actor's ids to text ---------------------------------------------------------------
     def response_text(self, ids: Sequence[int]) -> str:
         """The response as text: up to (without) its first eos, special tokens dropped."""
+        return self.actor.decode(self._before_eos(ids), skip_special_tokens=True)
+
+    def _before_eos(self, ids: Sequence[int]) -> list[int]:
         ids = [int(i) for i in ids]
         if self.eos_token_id is not None and self.eos_token_id in ids:
             ids = ids[:ids.index(self.eos_token_id)]
-        return self.actor.decode(ids, skip_special_tokens=True)
+        return ids
 
     def prompt_text(self, text: str | None, ids: Sequence[int]) -> str:
         """The dataset's prompt text; without it, the prompt ids decoded (special tokens dropped)."""
@@ -157,26 +160,39 @@ class RewardText:
 
     def encode(self, prompt: str, response: str) -> list[int]:
         """The reward tokenizer's ids of `render(prompt, response)`, before truncation (never empty)."""
-        text = self.render(prompt, response)
+        return self._encode_texts([self.render(prompt, response)])[0]
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """The reward tokenizer's ids of each text (never empty); an HF tokenizer encodes the list
+        in one call (a fast one in parallel in its Rust backend, ids as one text at a time)."""
         if isinstance(self.reward, CharTokenizer):
-            ids = self.reward.encode(text, add_bos=not self.chat_template)
+            encoded = [self.reward.encode(text, add_bos=not self.chat_template) for text in texts]
         else:
-            ids = list(self.reward(text, add_special_tokens=not self.chat_template)["input_ids"])
-        if not ids:  # an empty text without specials: the score is read at a lone special token
-            fallback = next((getattr(self.reward, n, None) for n in ("bos_token_id", "eos_token_id", "pad_token_id")
-                             if getattr(self.reward, n, None) is not None), 0)
-            ids = [int(fallback)]
-        return ids
+            encoded = [list(ids) for ids in self.reward(texts, add_special_tokens=not self.chat_template)["input_ids"]]
+        # An empty text without specials: the score is read at a lone special token.
+        fallback = next((getattr(self.reward, n, None) for n in ("bos_token_id", "eos_token_id", "pad_token_id")
+                         if getattr(self.reward, n, None) is not None), 0)
+        return [ids if ids else [int(fallback)] for ids in encoded]
 
     def rows(self, prompts: Sequence[str | None], prompt_ids: Sequence[Sequence[int]],
              response_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
-        """Each row's reward-model ids (its last max_length) and whether it was cut."""
-        out, cut = [], []
-        for text, p_ids, r_ids in zip(prompts, prompt_ids, response_ids):
-            ids = self.encode(self.prompt_text(text, p_ids), self.response_text(r_ids))
-            cut.append(len(ids) > self.max_length)
-            out.append(ids[-self.max_length:])
-        return out, cut
+        """Each row's reward-model ids (its last max_length) and whether it was cut. Batched: each
+        distinct prompt decoded once (a group's rows share it), the responses decoded and the
+        rendered texts encoded as lists (actors.worker.texts.decode_many)."""
+        from actors.worker.texts import decode_many  # the worker's module: rows run there, the driver needs none
+
+        decoded: dict[tuple[int, ...], str] = {}
+        for text, p_ids in zip(prompts, prompt_ids):
+            if text is None:
+                decoded.setdefault(tuple(int(i) for i in p_ids), "")
+        keys = list(decoded)
+        for key, value in zip(keys, decode_many(self.actor, [list(k) for k in keys])):
+            decoded[key] = value
+        prompt_texts = [text if text is not None else decoded[tuple(int(i) for i in p_ids)]
+                        for text, p_ids in zip(prompts, prompt_ids)]
+        responses = decode_many(self.actor, [self._before_eos(r_ids) for r_ids in response_ids])
+        encoded = self._encode_texts([self.render(p, r) for p, r in zip(prompt_texts, responses)])
+        return [ids[-self.max_length:] for ids in encoded], [len(ids) > self.max_length for ids in encoded]
 
     def token_pricing(self, prompts: Sequence[str], prompt_ids: Sequence[Sequence[int]]) -> tuple[float, int]:
         """(reward tokens per actor token, reward tokens every sequence has besides its text), measured

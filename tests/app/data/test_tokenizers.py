@@ -69,3 +69,23 @@ def test_reward_text_from_the_toy_tokenizer(tokenizers: dict[str, Path]) -> None
     rows, cut = bridge.rows(["12"], [[1, ord("1"), ord("2")]], [[ord("3"), ord("4"), 2]])
     other = load_tokenizer_object(str(tokenizers["plain"]))
     assert rows == [other("1234")["input_ids"]] and cut == [False]
+
+
+def test_reward_text_rows_in_one_batch_are_each_row_alone(tokenizers: dict[str, Path]) -> None:
+    """`rows` decodes and encodes the rows as lists (each distinct prompt once): every row gets
+    what encoding it alone gives, with shared and given prompts, eos cuts and empty responses."""
+    qwen = load_tokenizer_object(str(tokenizers["qwen"]))
+    eos = qwen.eos_token_id
+    prompt_ids = [qwen(t)["input_ids"] for t in ("How many?", "Count the apples.")]
+    answers = ["It is 14.", "Seven", "", "14 apples, maybe 15."]
+    responses = [qwen(a, add_special_tokens=False)["input_ids"] + [eos, 5] for a in answers] * 2
+    prompts: list[str | None] = [None] * 6 + ["given", None]
+    rows_prompt_ids = [prompt_ids[i % 2] for i in range(8)]  # rows of one prompt share its list
+    for template, max_length in ((True, 512), (False, 6)):
+        bridge = RewardText(str(tokenizers["qwen"]), str(tokenizers["other"]), chat_template=template,
+                            max_length=max_length)
+        rows, cut = bridge.rows(prompts, rows_prompt_ids, responses)
+        alone = [bridge.encode(bridge.prompt_text(t, p), bridge.response_text(r))
+                 for t, p, r in zip(prompts, rows_prompt_ids, responses)]
+        assert rows == [ids[-max_length:] for ids in alone] and cut == [len(ids) > max_length for ids in alone]
+        assert any(cut) == (not template)
