@@ -5,6 +5,7 @@ May import every other package of actors/ (the top layer), never ray, cluster or
   data         row ranges, producer shards, packed batches, imports by name
   models       per-role bookkeeping: where a role's shards live and how they bind to modules
   guards       reward functions under a time limit; non-finite rewards, losses, gradient norms
+  texts        token ids back to text for rule rewards (shared rows once, the tokenizer's parallel backend)
   memory       the peak GPU memory of each call (a probe reset before it, read after it)
   execution    how a call runs as the plan says: micro-batch token budgets, generation rounds
   calls        `CallSpec`, `CallContext` and the inference ops: rewards, logprobs, values
@@ -44,6 +45,7 @@ from actors.worker.profiler import (
     measure_engine,
     measure_hardware,
 )
+from actors.worker.texts import decode_many
 
 __all__ = [
     # models.py
@@ -63,6 +65,8 @@ __all__ = [
     # profiler.py
     "MIN_EFFICIENCY", "CollectiveTiming", "EngineTiming", "ProfileSettings", "cut_model", "measure_engine",
     "measure_hardware",
+    # texts.py
+    "decode_many",
     # profile_fit.py
     "fit_efficiency", "fit_tp_comm", "predicted_seconds", "predicted_tp_fwd_bwd_s",
 ]

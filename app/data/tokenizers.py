@@ -179,7 +179,7 @@ class RewardText:
         """Each row's reward-model ids (its last max_length) and whether it was cut. Batched: each
         distinct prompt decoded once (a group's rows share it), the responses decoded and the
         rendered texts encoded as lists (actors.worker.texts.decode_many)."""
-        from actors.worker.texts import decode_many  # the worker's module: rows run there, the driver needs none
+        from actors.worker import decode_many  # the worker's package: rows run there, the driver needs none
 
         decoded: dict[tuple[int, ...], str] = {}
         for text, p_ids in zip(prompts, prompt_ids):
