@@ -116,9 +116,9 @@ class RewardRunner:
                 return sweep
             except FutureTimeout:
                 with lock:
-                    if time.monotonic() >= sweep.started + timeout_s:
-                        sweep.timed_out = sweep.row
-            if sweep.timed_out is not None:
+                    if time.monotonic() < sweep.started + timeout_s:
+                        continue  # a later row has started: wait for its deadline
+                    sweep.timed_out = sweep.row
                 pool.shutdown(wait=False)
                 self._local.pool = None
                 return sweep

@@ -27,6 +27,7 @@ from torch import Tensor
 # Spaces before punctuation and contractions: the patterns transformers' clean-up rewrites.
 CLEANUP_PROBE = "a . b , c ! d ? e 's f n't g 'm h 've i 're"
 
+# Per tokenizer (HF fast tokenizers, weakly referenced): whether it decodes as its backend does.
 _BACKEND_AGREES: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
@@ -43,19 +44,11 @@ def decodes_like_backend(tokenizer: Any) -> bool:
             getattr(type(tokenizer), name) is not getattr(PreTrainedTokenizerFast, name)
             for name in ("decode", "_decode", "batch_decode")):
         return False
-    try:
-        known = _BACKEND_AGREES.get(tokenizer)
-    except TypeError:  # not weak-referenceable: probe every time (cheap)
-        known = None
-    if known is not None:
-        return known
-    ids = backend.encode(CLEANUP_PROBE, add_special_tokens=False).ids
-    agrees = tokenizer.decode(ids, skip_special_tokens=True) == backend.decode(ids, skip_special_tokens=True)
-    try:
-        _BACKEND_AGREES[tokenizer] = agrees
-    except TypeError:
-        pass
-    return agrees
+    if tokenizer not in _BACKEND_AGREES:
+        ids = backend.encode(CLEANUP_PROBE, add_special_tokens=False).ids
+        _BACKEND_AGREES[tokenizer] = (tokenizer.decode(ids, skip_special_tokens=True)
+                                      == backend.decode(ids, skip_special_tokens=True))
+    return _BACKEND_AGREES[tokenizer]
 
 
 def decode_many(tokenizer: Any, ids: list[list[int]]) -> list[str]:
@@ -72,16 +65,9 @@ def decode_many(tokenizer: Any, ids: list[list[int]]) -> list[str]:
 
 def decode_rows(tokenizer: Any, rows: Sequence[Tensor]) -> list[str]:
     """Each row's text (special tokens skipped); rows that are one tensor object are decoded once."""
-    first: dict[int, int] = {}  # id(tensor) -> its index among the distinct rows
-    distinct: list[Tensor] = []
-    which = []
-    for row in rows:
-        k = first.setdefault(id(row), len(distinct))
-        if k == len(distinct):
-            distinct.append(row)
-        which.append(k)
-    texts = decode_many(tokenizer, [t.tolist() for t in distinct])
-    return [texts[k] for k in which]
+    distinct = {id(row): row for row in rows}  # rows keep their objects alive: ids stay unique
+    texts = dict(zip(distinct, decode_many(tokenizer, [t.tolist() for t in distinct.values()])))
+    return [texts[id(row)] for row in rows]
 
 
 __all__ = ["CLEANUP_PROBE", "decode_many", "decode_rows", "decodes_like_backend"]

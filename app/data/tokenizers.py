@@ -181,15 +181,11 @@ class RewardText:
         rendered texts encoded as lists (actors.worker.texts.decode_many)."""
         from actors.worker import decode_many  # the worker's package: rows run there, the driver needs none
 
-        decoded: dict[tuple[int, ...], str] = {}
-        for text, p_ids in zip(prompts, prompt_ids):
-            if text is None:
-                decoded.setdefault(tuple(int(i) for i in p_ids), "")
-        keys = list(decoded)
-        for key, value in zip(keys, decode_many(self.actor, [list(k) for k in keys])):
-            decoded[key] = value
-        prompt_texts = [text if text is not None else decoded[tuple(int(i) for i in p_ids)]
-                        for text, p_ids in zip(prompts, prompt_ids)]
+        # Rows without prompt text: their ids as a key, each distinct one decoded once.
+        keys = [tuple(int(i) for i in p_ids) if text is None else None for text, p_ids in zip(prompts, prompt_ids)]
+        distinct = list(dict.fromkeys(k for k in keys if k is not None))
+        decoded = dict(zip(distinct, decode_many(self.actor, [list(k) for k in distinct])))
+        prompt_texts = [text if key is None else decoded[key] for text, key in zip(prompts, keys)]
         responses = decode_many(self.actor, [self._before_eos(r_ids) for r_ids in response_ids])
         encoded = self._encode_texts([self.render(p, r) for p, r in zip(prompt_texts, responses)])
         return [ids[-self.max_length:] for ids in encoded], [len(ids) > self.max_length for ids in encoded]
