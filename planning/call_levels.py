@@ -20,6 +20,13 @@ from planning.plan import CallExecution
 # docs/benchmarks.md) took 4.74-4.82 s at 10 x 32,768 tokens against 4.73-4.81 s at 20 x 16,384,
 # and peaked 28 GiB higher.
 MAX_MICRO_TOKENS = 16384
+# The cap for inference calls (one forward, no activations kept for a backward, so a larger
+# micro-batch costs only its transient memory). A small model's forward in micro-batches of 16,384
+# tokens leaves the GPU waiting on the host between its short kernels: the 0.5B GRPO shape's
+# forward (64 x 8 rows of 256 + 512 tokens) took 0.838 s in 24 micro-batches, GPU idle 473 ms,
+# and 0.719 s in 12 of 32,768 tokens, idle 47 ms (issue 27, twelfth step in docs/benchmarks.md);
+# the cost model's per-micro-batch terms price the same 15%. Larger ones are not measured yet.
+MAX_INFERENCE_MICRO_TOKENS = 32768
 
 
 def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:
@@ -45,11 +52,12 @@ def level_splits(mfc: MFC, layout: Layout, seqs: int) -> list[int]:
         first = 1
     else:
         tokens = seqs * mfc.batch.seq_len
-        first = min(seqs, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(tokens / MAX_MICRO_TOKENS)))
+        cap = MAX_MICRO_TOKENS if mfc.kind == "train" else MAX_INFERENCE_MICRO_TOKENS
+        first = min(seqs, max(2 * layout.pp if layout.pp > 1 else 1, math.ceil(tokens / cap)))
     out = [first]
     while out[-1] < seqs:
         out.append(min(seqs, 2 * out[-1]))
     return out
 
 
-__all__ = ["MAX_MICRO_TOKENS", "level_execution", "level_splits", "split_of"]
+__all__ = ["MAX_INFERENCE_MICRO_TOKENS", "MAX_MICRO_TOKENS", "level_execution", "level_splits", "split_of"]

@@ -22,7 +22,8 @@ GPU for each optimizer step at `HardwareSpec.host_bw`: `planning.offload`),
 activations of the micro-batches in flight (no recomputation), KV cache for generation. A call
 that does not fit is infeasible (with a reason), never merely slow. Each call has memory
 levels (`call_cost_levels`): 1x, 2x, 4x ... the base number of micro-batches (enough for the
-pipeline and at most `planning.call_levels.MAX_MICRO_TOKENS` tokens each), or generation in
+pipeline and at most `planning.call_levels.MAX_MICRO_TOKENS` tokens each in training,
+`MAX_INFERENCE_MICRO_TOKENS` in inference), or generation in
 1, 2, 4 ... rounds (`planning.call_levels`); the fastest level that fits the memory left to the
 call is used, so a call squeezed by other models' resident weights still runs, only slower
 (`planning.plan_space` passes that budget).

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from planning.call_levels import MAX_MICRO_TOKENS, split_of
+from planning.call_levels import MAX_INFERENCE_MICRO_TOKENS, MAX_MICRO_TOKENS, split_of
 from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem
 from planning.dataflow import BatchShape, grpo_graph, ppo_graph
 from planning.hardware import hardware_preset
@@ -58,6 +58,11 @@ def test_search_records_each_calls_level_and_simulate_prices_it() -> None:
     # The issue's run: 512 sequences x 640 tokens would be one 327k-token micro-batch at pp=1.
     train = plan.execution("actor_train")
     assert train is not None and train.micro_batch_tokens is not None and train.micro_batch_tokens <= MAX_MICRO_TOKENS
+    # Inference keeps no activations for a backward: its micro-batches may be larger (fewer
+    # launches per token for the host to issue), up to their own cap, as memory allows.
+    ref = plan.execution("ref_inf")
+    assert ref is not None and ref.micro_batch_tokens is not None
+    assert MAX_MICRO_TOKENS < ref.micro_batch_tokens <= MAX_INFERENCE_MICRO_TOKENS
 
 
 def test_a_given_execution_is_priced_exactly() -> None:
