@@ -43,8 +43,9 @@ GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # The peer bench's 512 x 512 response tokens and a length rule (benchmarks/reward_host_bench.py):
 # 76-89 ms a call on the 2-core development machine since responses decode in the tokenizer's
 # parallel backend and the rows score in one helper-thread task (actors.worker.texts,
-# actors.worker.guards), 205-305 ms before; the H200 host took 0.12-0.27 s before (issue 27,
-# docs/benchmarks.md, eleventh step).
+# actors.worker.guards), 205-305 ms before; on the H200 host the peer bench's call took 0.072 s
+# against this price's 0.079 (0.12-0.27 s before: issue 27, docs/benchmarks.md, eleventh and
+# twelfth steps).
 MODEL_FREE_S_PER_TOKEN = 3e-7
 # Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
 # saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
