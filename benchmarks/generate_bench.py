@@ -42,7 +42,7 @@ from planning.layout import Layout
 from planning.models import ModelSpec, model_preset
 
 H200_BANDWIDTH = 4.3e12
-MODES_HELP = "eager|graph[+sdpa|+matmul|+triton][+compile]"
+MODES_HELP = "eager|graph[+sdpa|+matmul|+triton][+compile][+fp8][+fp8kv]"
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,17 @@ def timed_generate(model: Transformer, prompts: list[torch.Tensor], config: Gene
 def mode_config(mode: str, new_tokens: int, temperature: float = 0.0) -> GenerationConfig:
     """Config of a mode: "eager" or "graph", optionally with a decode attention kernel "+sdpa",
     "+matmul" or "+triton" (default "auto": Triton on CUDA), "+compile" (torch.compile'd decode
-    step), e.g. "graph+compile+sdpa"."""
+    step), "+fp8" (FP8 copies of the MLP and head weights in decode, GenerationConfig.fp8_weights),
+    "+fp8kv" (an FP8 KV cache, GenerationConfig.kv_cache_dtype), e.g. "graph+compile+sdpa"."""
     parts = mode.split("+")
     kernels = {"sdpa", "matmul", "triton"}
-    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile"}:
+    if parts[0] not in ("eager", "graph") or not set(parts[1:]) <= kernels | {"compile", "fp8", "fp8kv"}:
         raise ValueError(f"--modes: {mode!r} unknown; allowed: {MODES_HELP}")
     kernel = next((p for p in parts[1:] if p in kernels), "auto")
     return GenerationConfig(new_tokens, SamplingParams(temperature=temperature), ignore_eos=True,
                             use_cuda_graph=parts[0] == "graph", compile_decode="compile" in parts,
-                            decode_attention=kernel)
+                            decode_attention=kernel, fp8_weights="fp8" in parts,
+                            kv_cache_dtype="fp8" if "fp8kv" in parts else "auto")
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int | None) -> list[BenchResult]:

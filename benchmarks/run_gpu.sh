@@ -26,9 +26,10 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 # The bf16 matmul rate held for 30 s against its first second (power cap; gpu_clocks.txt beside it).
 [[ $only == *sustained* ]] && run sustained_gemm python3 benchmarks/sustained_gemm.py --seconds ${GEMM_SECONDS:-30}
 # A host-bound small model (issue 27, tenth step): the 0.5B fidelity shape's calls in 24 and in 12
-# micro-batches, with the profile's GPU idle report (where the host's time goes).
-[[ $only == *small* ]] && for n in 24 12; do run small_model_mb$n python3 benchmarks/engine_bench.py --model qwen2.5-0.5b \
-  --grpo-shape 64,8,256,512 --n-micro $n --tp 1 --steps 2 --warmup 1 --profile; done
+# micro-batches, with the profile's GPU idle report (where the host's time goes). SMALL_MICRO picks
+# the counts, SMALL_PROFILE= (empty) drops the profile, e.g. SMALL_MICRO="24 12 6" SMALL_PROFILE=.
+[[ $only == *small* ]] && for n in ${SMALL_MICRO:-24 12}; do run small_model_mb$n python3 benchmarks/engine_bench.py \
+  --model qwen2.5-0.5b --grpo-shape 64,8,256,512 --n-micro $n --tp 1 --steps 2 --warmup 1 ${SMALL_PROFILE---profile}; done
 [[ $only == *engine* ]] && run engine python3 benchmarks/engine_bench.py ${ENGINE_ARGS:-}
 [[ $only == *generate* ]] && run generate python3 benchmarks/generate_bench.py ${GEN_ARGS:-}
 [[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}

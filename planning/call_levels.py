@@ -25,8 +25,10 @@ MAX_MICRO_TOKENS = 16384
 # tokens leaves the GPU waiting on the host between its short kernels: the 0.5B GRPO shape's
 # forward (64 x 8 rows of 256 + 512 tokens) took 0.838 s in 24 micro-batches, GPU idle 473 ms,
 # and 0.719 s in 12 of 32,768 tokens, idle 47 ms (issue 27, twelfth step in docs/benchmarks.md);
-# the cost model's per-micro-batch terms price the same 15%. Larger ones are not measured yet.
-MAX_INFERENCE_MICRO_TOKENS = 32768
+# the cost model's per-micro-batch terms price the same 15%. In one later call (thirteenth step):
+# 0.725 s in 12 of 32,768 and 0.668 s in 6 of 65,536. Each level still has to fit memory, which
+# the plan checks; a call without a plan keeps MAX_MICRO_TOKENS (actors.worker.execution).
+MAX_INFERENCE_MICRO_TOKENS = 65536
 
 
 def split_of(mfc: MFC, seqs: int, execution: CallExecution) -> int:

@@ -139,7 +139,8 @@ def generate_parts(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, se
     # Rows of one prompt read its cached K/V from one copy (the Triton decode attention's shared
     # prefix, pp = 1): HBM serves a group's prompt slots once, L2 the rest.
     shared = batch.prompt_len * (1 - 1 / batch.prompt_group) if layout.pp == 1 else 0.0
-    per_mb_stage = decode_stage_s(geo, links, mb, traj.ctx - shared)
+    kv_itemsize = 1.0 if mfc.fp8_kv_cache else 2.0
+    per_mb_stage = decode_stage_s(geo, links, mb, traj.ctx - shared, mfc.fp8_decode, kv_itemsize)
     tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
     steps = traj.decode_steps
@@ -157,7 +158,10 @@ def generate_parts(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, se
         parts.update(observation_parts(geo, layout, links, per_round, traj))
     parts = {k: rounds * v for k, v in parts.items()}
     parts["weights_bytes"] = weights
-    parts["kv_cache_bytes"] = per_round * traj.kv_slots * geo.kv_bytes_per_token_layer * geo.stage_layers
+    if mfc.fp8_decode:  # the call's FP8 copies (one byte per weight; the row scales are noise)
+        parts["fp8_weights_bytes"] = geo.fp8_stage_params()
+    kv_per_slot = geo.kv_bytes_per_token_layer * geo.stage_layers * kv_itemsize / 2.0
+    parts["kv_cache_bytes"] = per_round * traj.kv_slots * kv_per_slot
     # Prefill keeps the logits of each prompt's last token only, so its peak is a block's working
     # set (plus, for shared prompts, a layer's K/V copied out to every row); sampling's
     # [rows, vocab] buffers (gathered on tp rank 0) are the other candidate.

@@ -63,6 +63,11 @@ SAMPLING_PASSES = 8
 # reads them once (actors.kernels.fused_sampling; ~0.05 s over the peer bench's 512 decode steps
 # of 512 rows, where 8 fp32 sweeps priced 0.51 s).
 FUSED_SAMPLING_BYTES_PER_LOGIT = 4
+# FP8 decode (sampling.fp8): how much faster the MLPs' and head's matmuls run with e4m3 operands,
+# their activations' per-row quantization included, at the peer bench's 512 rows on an H200
+# (benchmarks/fp8_gemm_bench.py, 2026-12-05: 1.659 ms of bf16 [gate; up], down and head GEMMs
+# per step against 1.277 ms compiled with the quantization; 1.021 ms for the FP8 GEMMs alone).
+FP8_DECODE_SPEEDUP = 1.3
 # A forward over shared prompts (actors.engine.shared_prefix_attention) runs per block and
 # micro-batch a second FlashAttention call, the merge and two copies, and as many again in the
 # backward: fixed time of about this many kernel launches per block, micro-batch and pass
@@ -154,6 +159,8 @@ class CallGeometry:
     kv_bytes_per_token_layer: bf16 K and V one GPU caches per token per block.
     layer_elementwise_bytes: HBM bytes one block's non-matmul ops move per token and pass on one
         GPU (see ELEMENTWISE_BYTES_PER_HIDDEN).
+    layer_mlp_params: one block's MLP weights on one GPU (gate, up and down), the part of a
+        block an FP8 decode copies (actors.generation.fp8_weights).
     """
 
     spec: ModelSpec
@@ -166,6 +173,12 @@ class CallGeometry:
     head_flops: float
     kv_bytes_per_token_layer: float
     layer_elementwise_bytes: float = 0.0
+    layer_mlp_params: float = 0.0
+
+    def fp8_stage_params(self) -> float:
+        """Weights of the deepest stage an FP8 decode holds as FP8 copies: its blocks' MLPs
+        and the head (an actor's LM head on the last stage; pp = 1 takes both together)."""
+        return self.stage_layers * self.layer_mlp_params + (0.0 if self.critic else self.head_flops / 2)
 
     def stage_flops_per_token(self, ctx: float) -> float:
         """Forward FLOPs per token on the slowest stage, attending to `ctx` keys on average."""
@@ -220,6 +233,7 @@ def _geometry(spec: ModelSpec, critic: bool, tp: int, pp: int) -> CallGeometry |
         kv_bytes_per_token_layer=2 * 2 * kv_dim / kv_split,
         layer_elementwise_bytes=(ELEMENTWISE_BYTES_PER_HIDDEN * h
                                  + ELEMENTWISE_BYTES_PER_INTERMEDIATE * spec.intermediate_size / tp),
+        layer_mlp_params=3.0 * h * spec.intermediate_size / tp,
     )
 
 
@@ -317,15 +331,24 @@ def p2p_bandwidth(hw: HardwareSpec, mesh_size: int, gpus_per_node: int) -> float
     return hw.inter_node_bw if mesh_size > gpus_per_node else hw.intra_node_bw
 
 
-def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float) -> float:
+def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float, fp8: bool = False,
+                   kv_itemsize: float = 2.0) -> float:
     """One decode step of `rows` sequences reading `ctx` cached keys from HBM on average, on the slowest
     stage: the projections and the head (one token per row) then the attention, as separate
     kernels. The projections are bound by streaming the stage's bf16 weights for small batches
     and by their FLOPs for large ones (2 * rows * params: at 512 rows a 1B model's step is
     compute-bound on an H200); the attention reads each row's cached K/V once, which no batch
-    size amortises. The two do not overlap (one stream), so their times add."""
-    projections = max(2.0 * geo.stage_params / links.hbm, rows * geo.stage_flops_per_token(0.0) / links.flops)
-    kv_read = rows * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
+    size amortises. The two do not overlap (one stream), so their times add. `fp8`: the MLPs and
+    head stream one byte per weight and multiply FP8_DECODE_SPEEDUP times faster; `kv_itemsize`:
+    bytes per cached value (1 for an FP8 cache)."""
+    flops = rows * geo.stage_flops_per_token(0.0)
+    weight_bytes = 2.0 * geo.stage_params
+    if fp8:
+        fp8_params = geo.fp8_stage_params()
+        weight_bytes -= fp8_params  # one byte instead of two
+        flops -= 2.0 * rows * fp8_params * (1.0 - 1.0 / FP8_DECODE_SPEEDUP)  # as bf16-equivalent FLOPs
+    projections = max(weight_bytes / links.hbm, flops / links.flops)
+    kv_read = rows * ctx * geo.kv_bytes_per_token_layer * geo.stage_layers * kv_itemsize / 2.0
     return projections + kv_read / links.hbm
 
 

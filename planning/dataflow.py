@@ -120,6 +120,10 @@ class MFC:
         no GPU memory; its time is host time (`planning.cost_terms.MODEL_FREE_S_PER_TOKEN`).
     truncated_sampling: a generate call sampling with top-k or top-p (sorted rows each step);
         False: greedy or plain temperature sampling (one fused read of the logits).
+    fp8_decode: a generate call whose decode steps run the MLPs and head from FP8 copies
+        (sampling.fp8; `planning.cost_terms.decode_stage_s` prices them).
+    fp8_kv_cache: a generate call whose KV cache is e4m3 (sampling.kv_cache_dtype): one byte
+        per cached value to hold and to read.
     """
 
     name: str
@@ -135,6 +139,8 @@ class MFC:
     multi_turn: MultiTurn | None = None
     model_free: bool = False
     truncated_sampling: bool = False
+    fp8_decode: bool = False
+    fp8_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

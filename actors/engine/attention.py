@@ -282,6 +282,15 @@ class KVCache:
         then runs its three projections). This cache keeps none."""
         return None
 
+    def decode_mlp(self, layer: int, x: Tensor) -> Tensor | None:
+        """`layer`'s MLP output [T, H] for a decode step's x [T, H] from other weights (FP8
+        copies), or None (the model then runs its own MLP). This cache keeps none."""
+        return None
+
+    def decode_head(self, hidden: Tensor) -> Tensor | None:
+        """A decode step's logits [T, V_local] from other head weights, or None. This cache keeps none."""
+        return None
+
     def reset(self) -> None:
         """Forget all cached tokens (buffers are kept, so CUDA graphs stay valid)."""
         self.lengths.zero_()

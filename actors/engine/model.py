@@ -222,7 +222,10 @@ class DecoderLayer(nn.Module):
         else:
             x = x + attended
             normed = norm(x)
-        return x + self.mlp(normed)
+        decoding = kv_cache is not None and kv_cache.prefilled
+        # A decode step may take the MLP from the cache's other weights (FP8 copies).
+        mlp_out = kv_cache.decode_mlp(self.self_attn.layer_idx, normed) if decoding else None
+        return x + (self.mlp(normed) if mlp_out is None else mlp_out)
 
 
 class DecoderTrunk(nn.Module):
@@ -382,6 +385,9 @@ class Transformer(nn.Module):
         hidden = self.model.norm(hidden)
         if self.critic:
             return self.score(hidden).squeeze(-1).float()
+        logits = kv_cache.decode_head(hidden) if kv_cache is not None and kv_cache.prefilled else None
+        if logits is not None:
+            return logits
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)

@@ -14,9 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from actors.engine import PackedBatch, pack_sequences
+from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import DECODE_KERNELS, FusedQKV, HeadMajorKVCache
 from actors.generation.sampling import SampledTokens, SamplingParams, step_uniforms
 
+
+# GenerationConfig.kv_cache_dtype -> the cache's dtype (None: the model's own).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -33,6 +37,12 @@ class GenerationConfig:
     elementwise kernels of a step; compiles once per call and attention bucket shape).
     fuse_qkv: decode steps multiply by one concatenated [q; k; v] weight per layer (built once
     per call, `actors.generation.kv_cache.FusedQKV`; costs those weights' bytes for the call).
+    fp8_weights: decode steps run the MLPs and the head with FP8 (e4m3) copies of their weights,
+    quantized once per call (`actors.generation.fp8_weights`; one byte per weight for the call).
+    The responses are then sampled from that model: the recorded logprobs are its own.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3, no scale: K/V are rounded to 3
+    mantissa bits as they are cached and widened back as decode attention reads them; half the
+    cache's bytes to hold and to read; the prefill attends its own prompt in full precision).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -51,6 +61,8 @@ class GenerationConfig:
     decode_attention: str = "auto"
     compile_decode: bool = False
     fuse_qkv: bool = True
+    fp8_weights: bool = False
+    kv_cache_dtype: str = "auto"
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -60,6 +72,9 @@ class GenerationConfig:
         if self.decode_attention not in DECODE_KERNELS:
             raise ValueError(f"GenerationConfig.decode_attention={self.decode_attention!r}: unknown; "
                              f"allowed: {', '.join(DECODE_KERNELS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"GenerationConfig.kv_cache_dtype={self.kv_cache_dtype!r}: unknown; "
+                             f"allowed: {', '.join(KV_CACHE_DTYPES)}")
         if self.attend_bucket < 1:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
@@ -269,15 +284,19 @@ def prepare_cache(model: nn.Module, prompts: list[Tensor], config: GenerationCon
     tokens, batch = pack_sequences([p.to(torch.int64) for p in prompts], device)
     max_len = batch.max_seqlen + config.max_new_tokens
     param = next(model.parameters())
-    needed = {"kv_cache": kv_cache_bytes(model, len(prompts), max_len, param.dtype)}
+    cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or param.dtype
+    needed = {"kv_cache": kv_cache_bytes(model, len(prompts), max_len, cache_dtype)}
     if config.fuse_qkv and count_fused:
         needed["fused_qkv"] = FusedQKV.nbytes(model)
+    if config.fp8_weights and count_fused:
+        needed["fp8_weights"] = Fp8DecodeWeights.nbytes(model)
     if getattr(model, "has_head", True):
         vocab_local = local_vocab(model)
         needed["logits"] = logits_bytes(batch.n_tokens, len(prompts), vocab_local, model.spec.vocab_size,
                                         param.element_size())
     check_memory(needed, device, config.memory_limit_bytes)
-    cache = HeadMajorKVCache.for_model(model, len(prompts), max_len, device=device, kernel=config.decode_attention)
+    cache = HeadMajorKVCache.for_model(model, len(prompts), max_len, cache_dtype, device=device,
+                                       kernel=config.decode_attention)
     return tokens, batch, cache
 
 

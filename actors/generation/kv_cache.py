@@ -25,7 +25,8 @@ each group's queries to its prompt once (`prompt_partial`), then each row to its
 
 `FusedQKV` (set on the cache by the generation call as `cache.qkv`) holds each layer's
 concatenated [q; k; v] projection weights, so the model's decode steps run one GEMM per layer
-instead of three; the cache only hands them out (`fused_qkv`).
+instead of three; the cache only hands them out (`fused_qkv`). Likewise `cache.fp8`
+(actors.generation.fp8_weights) hands out FP8 MLPs and head (`decode_mlp`, `decode_head`).
 
 Kernels per step: a decode step is launch-bound, so the additive length mask is built once per
 step by the first layer (`decode_mask`) and shared by the others, and the row and slot indices
@@ -49,8 +50,15 @@ from actors.engine import (
     pack_sequences,
     packed_attention,
 )
-from actors.kernels import (default_splits, gqa_decode_attention, kernel_supports_head_dim, prefix_partials,
-                            triton_on, triton_runs)
+from actors.generation.fp8_weights import Fp8DecodeWeights
+from actors.kernels import (
+    default_splits,
+    gqa_decode_attention,
+    kernel_supports_head_dim,
+    prefix_partials,
+    triton_on,
+    triton_runs,
+)
 
 DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
 # Query rows (group members x query heads per KV head) of one shared-prompt program at most:
@@ -153,6 +161,7 @@ class HeadMajorKVCache(KVCache):
         # one; `advance` (end of each forward) and `reset` drop them.
         self.step_masks: dict[tuple[torch.dtype, int | None], Tensor] = {}
         self.qkv: FusedQKV | None = None  # set by the generation call that owns this cache
+        self.fp8: Fp8DecodeWeights | None = None  # likewise (GenerationConfig.fp8_weights)
 
     @staticmethod
     def for_model(model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype | None = None,
@@ -165,6 +174,12 @@ class HeadMajorKVCache(KVCache):
 
     def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         return self.qkv.weights.get(layer) if self.qkv is not None else None
+
+    def decode_mlp(self, layer: int, x: Tensor) -> Tensor | None:
+        return self.fp8.mlp(layer, x) if self.fp8 is not None else None
+
+    def decode_head(self, hidden: Tensor) -> Tensor | None:
+        return self.fp8.head(hidden) if self.fp8 is not None else None
 
     def set_attend_len(self, attend_len: int) -> None:
         """Attend over slots [0, attend_len) in decode; must cover every length + 1."""

@@ -49,6 +49,7 @@ from actors.generation.decoding import (
     attend_length,
     prepare_cache,
 )
+from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import FusedQKV
 from actors.generation.pipelined import generate_pipelined
 from actors.generation.prefill import prefill
@@ -74,6 +75,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     clock.mark("prefill")
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
+    cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     finished = FinishedFlag(device) if config.stop_token is not None else None
     steps = 0

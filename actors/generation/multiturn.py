@@ -38,8 +38,9 @@ from torch.distributed import ProcessGroup
 from actors.engine import ParallelGroups, broadcast_from_first
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
-from actors.generation.prefill import prefill
+from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import CacheExtension, FusedQKV, extension_batch
+from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
 from actors.generation.turns import TurnResult, TurnSource
 
@@ -222,6 +223,7 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     prompt_tokens, batch, cache = prepare_cache(model, prompts, sizing, device)
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
+    cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     state = _Trajectories([p.numel() for p in prompts], config, budget)
     draws = _RowDraws(config, len(prompts), budget, device)

@@ -35,6 +35,7 @@ from actors.generation.decoding import (
     attend_length,
     prepare_cache,
 )
+from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
 from actors.generation.sampling import sample_tensor_parallel
 
@@ -149,8 +150,9 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     device = param.device
     slots = _build_slots(model, prompts, config, config.pp_micro_batches or groups.layout.pp, device)
     fused = FusedQKV(model) if config.fuse_qkv else None  # one copy shared by every slot's cache
+    fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None  # likewise
     for slot in slots:
-        slot.cache.qkv = fused
+        slot.cache.qkv, slot.cache.fp8 = fused, fp8
     decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode) for slot in slots]
     messenger = PipelineMessenger(groups, model.spec.hidden_size, param.dtype, device)
     recorder = ResponseRecorder(len(prompts), config, device)

@@ -282,7 +282,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     group = n_q // n_kv
     meta = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim,
-            "IEEE": k_cache.dtype == torch.float32, "SLOTS_CLASS": int(k_cache.shape[2]).bit_length()}
+            "IEEE": q.dtype == torch.float32, "SLOTS_CLASS": int(k_cache.shape[2]).bit_length()}
     scale, window = head_dim**-0.5, sliding_window or 2**30
     if splits > 1:
         _split_decode(inputs, strides, out, scale, window, splits, block_n, tuned, meta)

@@ -27,8 +27,10 @@ if triton_installed():
             slots = start + tl.arange(0, BLOCK_N)
             slot_ok = slots < hi
             offs = cache + slots[:, None] * stride_cl + dims[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_cache_ptr + offs, mask=slot_ok[:, None], other=0.0)
+            # An FP8 cache (GenerationConfig.kv_cache_dtype) is widened to the queries' dtype
+            # as it is read: half the bytes from HBM, the products as with a bf16 cache.
+            k = tl.load(k_cache_ptr + offs, mask=slot_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+            v = tl.load(v_cache_ptr + offs, mask=slot_ok[:, None], other=0.0).to(q.dtype)
             if IEEE:
                 s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")
             else:

@@ -98,7 +98,7 @@ def prefix_partials(q: Tensor, k_cache: Tensor, v_cache: Tensor, group_rows: Ten
         q, k_cache, v_cache, group_rows, prefix_lengths, m, l_sum, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), group_rows.stride(0),
         head_dim**-0.5, GROUP=group, ROWS=rows_per_group, TILE=tile, HEAD_DIM=head_dim,
-        IEEE=k_cache.dtype == torch.float32, BLOCK_N=block_n)
+        IEEE=q.dtype == torch.float32, BLOCK_N=block_n)
     return m, l_sum, acc
 
 

@@ -41,6 +41,8 @@ def generation_config(ctx: CallContext, first_row: int, round_rows: range | None
         pad_token_id=int(p.get("pad_token_id", 0)),
         use_cuda_graph=ctx.device.type == "cuda" and bool(p.get("cuda_graph", True)),
         compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
+        fp8_weights=bool(p.get("fp8", False)),
+        kv_cache_dtype=str(p.get("kv_cache_dtype", "auto")),
         uniform_offset=round_rows.start if round_rows is not None else 0,
         uniform_total=len(ctx.my_rows) if round_rows is not None else None,
     )

@@ -70,6 +70,8 @@ class RolloutSettings:
     tokenizer: str | None = None
     reward_fn: str | None = None
     compile_decode: bool = False
+    fp8_weights: bool = False  # sampling.fp8: decode with FP8 MLP and head copies
+    kv_cache_dtype: str = "auto"  # sampling.kv_cache_dtype
     # Multi-turn rollouts (app.algorithms.multiturn.env_params): what the worker builds the
     # environments from, and the token budget; None: single-turn generation.
     env: dict[str, Any] | None = None
@@ -92,7 +94,8 @@ class RolloutSettings:
         return {"op": "generate", "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed, "greedy": greedy,
                 "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
-                "compile": self.compile_decode, **({"env": self.env} if self.env else {})}
+                "compile": self.compile_decode, "fp8": self.fp8_weights,
+                "kv_cache_dtype": self.kv_cache_dtype, **({"env": self.env} if self.env else {})}
 
     def reward_params(self, in_prefix: str = "", out_key: str = "rewards") -> dict[str, Any]:
         if self.env:  # the environments' rewards, carried by the generation's rows

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from app.config.errors import ConfigError
-from app.config.sections import DAPOConfig, GRPOConfig, PPOConfig
+from app.config.sections import DAPOConfig, GRPOConfig, PPOConfig, SamplingConfig
 
 ALGORITHMS = ("ppo", "grpo", "dpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo")
 KL_IN_REWARD = ("ppo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -70,6 +70,8 @@ class ConfigFields(Protocol):
     def grpo(self) -> GRPOConfig: ...
     @property
     def dapo(self) -> DAPOConfig: ...
+    @property
+    def sampling(self) -> SamplingConfig: ...
 
 
 def samples_per_prompt(cfg: ConfigFields) -> int:
@@ -87,10 +89,12 @@ def uses_ref(cfg: ConfigFields) -> bool:
 
 
 def rollout_is_level(cfg: ConfigFields) -> str | None:
-    """ppo.rollout_is resolved: 'token' / 'sequence', or None (auto: token when stale)."""
+    """ppo.rollout_is resolved: 'token' / 'sequence', or None (auto: token when stale, or when
+    the rollout samples from FP8 weights and the logprobs are recomputed in bf16)."""
     level = cfg.ppo.rollout_is
     if level == "auto":
-        return "token" if cfg.run.max_staleness > 0 else None
+        fp8_gap = cfg.sampling.lossy_rollout and cfg.ppo.recompute_logprobs
+        return "token" if cfg.run.max_staleness > 0 or fp8_gap else None
     return None if level == "none" else level
 
 

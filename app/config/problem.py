@@ -86,6 +86,9 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
     if s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0):
         graph = replace(graph, mfcs=tuple(replace(m, truncated_sampling=True) if m.kind == "generate" else m
                                           for m in graph.mfcs))
+    if s.lossy_rollout:
+        graph = replace(graph, mfcs=tuple(replace(m, fp8_decode=s.fp8, fp8_kv_cache=s.kv_cache_dtype == "fp8")
+                                          if m.kind == "generate" else m for m in graph.mfcs))
     return with_entropy_bonus(graph) if cfg.ppo.entropy_coef > 0 else graph
 
 

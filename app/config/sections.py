@@ -101,12 +101,29 @@ class SamplingConfig(TrainSection):
     small elementwise kernels of a step; costs a compile per generation shape on first use). On
     by default: 5% faster decode on an H200 at the peer bench's shape (docs/benchmarks.md, issue
     27); ignored on CPU.
+    fp8: decode with FP8 (e4m3) copies of the actor's MLP and head weights, quantized at the start
+    of every generation call (actors.generation.fp8_weights); prefill, training and every other
+    call keep bf16. The responses are then sampled from a slightly different policy than the one
+    trained, so ppo.rollout_is 'auto' turns on token-level importance weights with it. Off by
+    default: it changes what is sampled (docs/benchmarks.md, issue 27, has its speed and gap).
+    Needs a GPU with FP8 matmuls (compute capability >= 8.9) to be faster; elsewhere it is
+    emulated (slower, same numbers).
+    kv_cache_dtype: auto (the actor's dtype) or fp8 (e4m3 without a scale: half the KV cache's
+    memory and of decode attention's reads; K/V rounded to 3 mantissa bits). Like fp8, it makes
+    ppo.rollout_is 'auto' turn importance weights on.
     """
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     compile: bool = True
+    fp8: bool = False
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+
+    @property
+    def lossy_rollout(self) -> bool:
+        """Whether generation samples from a rounded copy of the actor (FP8 weights or cache)."""
+        return self.fp8 or self.kv_cache_dtype == "fp8"
 
 
 class PPOConfig(TrainSection):
@@ -122,7 +139,8 @@ class PPOConfig(TrainSection):
     response cut at batch.gen_len. recompute_logprobs: the behaviour policy is the actor's own
     logprobs under its current weights (PPO's actor_inf call), not the generation's.
     rollout_is: truncated importance weights for the gap between the rollout's logprobs and those
-    (token | sequence | none; auto: token when run.max_staleness > 0, else none), truncated at
+    (token | sequence | none; auto: token when run.max_staleness > 0, or when sampling.fp8 or
+    sampling.kv_cache_dtype fp8 is on and recompute_logprobs is true; else none), truncated at
     rollout_is_threshold.
     """
 

@@ -74,3 +74,40 @@ def test_shared_prompt_forwards_pay_the_cascade_per_block_and_micro_batch() -> N
     assert train["cascade_s"] == pytest.approx(3 * n_micro * layers * CASCADE_OVERHEAD_KERNELS * H200.kernel_overhead_s)
     whole = replace(problem.graph.mfc("actor_train"), batch=BatchShape(512, 128, 512))  # one sample per prompt
     assert "cascade_s" not in call_cost(problem, whole, ONE_GPU, execution=execution).breakdown
+
+
+def test_fp8_decode_is_priced_on_the_mlps_and_head_and_holds_their_copies(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(BASE + "sampling: {fp8: true}\n")
+    marked = build_graph(load_config(path))
+    assert all(m.fp8_decode == (m.kind == "generate") for m in marked.mfcs)
+    problem = _problem()
+    gen = problem.graph.mfc("actor_gen")
+    rounds = CallExecution(gen_rounds=1)
+    bf16, fp8 = (call_cost(problem, replace(gen, fp8_decode=f), ONE_GPU, execution=rounds) for f in (False, True))
+    spec = model_preset("llama3.2-1b")
+    # Llama-3.2-1B ties its head to the embedding, but the FP8 head is a copy of its own.
+    copied = spec.n_layers * 3 * spec.hidden_size * spec.intermediate_size + spec.vocab_size * spec.hidden_size
+    assert fp8.breakdown["fp8_weights_bytes"] == pytest.approx(copied)
+    assert "fp8_weights_bytes" not in bf16.breakdown
+    assert fp8.mem_bytes - bf16.mem_bytes == pytest.approx(copied)
+    # 512 rows are compute-bound: only the decode term moves, by the MLPs' and head's share of the
+    # step's FLOPs times (1 - 1 / FP8_DECODE_SPEEDUP).
+    assert fp8.breakdown["prefill_s"] == bf16.breakdown["prefill_s"]
+    saved = 1 - fp8.breakdown["decode_s"] / bf16.breakdown["decode_s"]
+    assert 0.05 < saved < 0.3
+
+
+def test_an_fp8_kv_cache_halves_its_bytes_and_its_reads(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(BASE + "sampling: {kv_cache_dtype: fp8}\n")
+    marked = build_graph(load_config(path))
+    assert all(m.fp8_kv_cache == (m.kind == "generate") and not m.fp8_decode for m in marked.mfcs)
+    problem = _problem()
+    gen = problem.graph.mfc("actor_gen")
+    rounds = CallExecution(gen_rounds=1)
+    bf16, fp8 = (call_cost(problem, replace(gen, fp8_kv_cache=f), ONE_GPU, execution=rounds).breakdown
+                 for f in (False, True))
+    assert fp8["kv_cache_bytes"] == pytest.approx(bf16["kv_cache_bytes"] / 2)
+    assert fp8["prefill_s"] == bf16["prefill_s"] and fp8["weights_bytes"] == bf16["weights_bytes"]
+    assert 0.1 < 1 - fp8["decode_s"] / bf16["decode_s"] < 0.5  # the attention's share of a step, halved

@@ -228,3 +228,34 @@ def test_kernel_takes_strided_views() -> None:
     out = gqa_decode_attention(q_view, k_view, v_view, k_cache, v_cache, lengths, block_n=16)
     ref = gqa_decode_attention_reference(q, k_new, v_new, k_ref, v_ref, lengths)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_reads_and_writes_an_fp8_cache(splits: int) -> None:
+    """An e4m3 cache (GenerationConfig.kv_cache_dtype="fp8"): the kernel widens what it reads to
+    the queries' dtype and rounds the new K/V into the cache. New K/V already on the e4m3 grid,
+    so that the kernel's rounding and torch's cannot differ: the output equals the reference's."""
+    q, k_new, v_new, k_cache, v_cache = random_case(4, 2, 4, 16, 40, seed=5)
+    fp8 = torch.float8_e4m3fn
+    k_new, v_new = k_new.to(fp8).float(), v_new.to(fp8).float()
+    k_cache, v_cache = k_cache.to(fp8), v_cache.to(fp8)
+    lengths = torch.tensor([0, 7, 16, 39], device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = gqa_decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, None, block_n=16, splits=splits)
+    ref = gqa_decode_attention_reference(q, k_new, v_new, k_ref, v_ref, lengths, None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache.float(), k_ref.float()) and torch.equal(v_cache.float(), v_ref.float())
+
+
+def test_generation_with_an_fp8_cache_triton_equals_sdpa() -> None:
+    """Shared prompts (the cascade path) and an e4m3 cache: the Triton kernel and the SDPA path
+    read the same rounded K/V (each rounds the new tokens itself, hence the tolerance)."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    distinct = [torch.randint(1, 64, (n,), generator=gen).to(DEVICE) for n in (6, 3)]
+    prompts = [p for p in distinct for _ in range(3)]
+    greedy = SamplingParams(temperature=0.0)
+    runs = {kernel: generate(model, prompts, GenerationConfig(5, greedy, decode_attention=kernel, kv_cache_dtype="fp8"))
+            for kernel in ("sdpa", "triton")}
+    assert torch.equal(runs["sdpa"].tokens, runs["triton"].tokens)
+    torch.testing.assert_close(runs["sdpa"].logprobs, runs["triton"].logprobs, rtol=1e-2, atol=1e-2)

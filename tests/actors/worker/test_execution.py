@@ -56,8 +56,8 @@ def _prompts() -> dict[str, Any]:
     return {"row_start": 0, "n": N, "prompt_ids": [torch.randint(3, 256, (3 + i,), generator=gen) for i in range(N)]}
 
 
-def _generate(worker: ModelWorker, execution: CallExecution | None) -> tuple[dict, dict]:
-    params = {"op": "generate", "max_new_tokens": 5, "seed": 3, "temperature": 1.0, "ignore_eos": False}
+def _generate(worker: ModelWorker, execution: CallExecution | None, **extra: Any) -> tuple[dict, dict]:
+    params = {"op": "generate", "max_new_tokens": 5, "seed": 3, "temperature": 1.0, "ignore_eos": False, **extra}
     return worker.run_call(CallSpec("actor_gen", "actor", "generate", ONE, 0, N, params, execution), _prompts())
 
 
@@ -83,6 +83,22 @@ def test_generation_in_rounds_samples_what_one_round_samples() -> None:
     for a, b in zip(one["logprobs"], three["logprobs"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert one["no_eos"] == three["no_eos"]
+
+
+@pytest.mark.parametrize("option", [{"fp8": True}, {"kv_cache_dtype": "fp8"}])
+def test_generation_with_fp8_keeps_the_prefill_and_changes_the_decode(option: dict[str, Any]) -> None:
+    """params["fp8"] / ["kv_cache_dtype"] (sampling.*) reach the generation: the first token of each
+    response comes from the prefill (same draw, same logprob), later ones from FP8 decode steps."""
+    worker = _worker()
+    _, bf16 = _generate(worker, None)
+    _, fp8 = _generate(worker, None, **option)
+    assert [t[0].item() for t in fp8["response_ids"]] == [t[0].item() for t in bf16["response_ids"]]
+    torch.testing.assert_close(torch.stack([lp[0] for lp in fp8["logprobs"]]),
+                               torch.stack([lp[0] for lp in bf16["logprobs"]]), atol=1e-6, rtol=0)
+    later = [(a[1:] - b[1:]).abs().max().item() for a, b, ta, tb in
+             zip(fp8["logprobs"], bf16["logprobs"], fp8["response_ids"], bf16["response_ids"])
+             if ta.numel() > 1 and tb.numel() > 1 and ta[1] == tb[1]]
+    assert later and max(later) > 0  # the decode steps ran with other weights
 
 
 def test_inference_with_a_token_budget_matches_one_micro_batch() -> None:

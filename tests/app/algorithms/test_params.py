@@ -111,6 +111,13 @@ def test_every_worker_knob_is_reachable_from_yaml() -> None:
     assert (train["entropy_coef"], train["dual_clip"], train["clip_eps_high"]) == (0.01, 3.0, 0.3)
     assert train["no_eos_penalty"] == 0.5 and train["recompute_logprobs"] is False and train["rollout_is"] is None
     assert settings_of("run.max_staleness=1").ppo.rollout_is == "token"  # auto: on when stale
+    fp8 = settings_of("sampling.fp8=true")  # auto: on when the rollout samples from FP8 weights
+    assert fp8.ppo.rollout_is == "token" and fp8.rollout.generate_params()["fp8"] is True
+    assert settings_of().rollout.generate_params()["fp8"] is False and settings_of().ppo.rollout_is is None
+    assert settings_of("sampling.fp8=true", "ppo.rollout_is=none").ppo.rollout_is is None
+    assert settings_of("sampling.fp8=true", "ppo.recompute_logprobs=false").ppo.rollout_is is None
+    kv = settings_of("sampling.kv_cache_dtype=fp8")
+    assert kv.ppo.rollout_is == "token" and kv.rollout.generate_params()["kv_cache_dtype"] == "fp8"
     assert settings_of("ppo.rollout_is=sequence", "ppo.rollout_is_threshold=3").ppo.rollout_is_threshold == 3.0
 
 
@@ -120,6 +127,7 @@ def test_every_worker_knob_is_reachable_from_yaml() -> None:
     ("ppo.entropy_coef=-1", "ppo.entropy_coef"), ("ppo.no_eos_penalty=-0.5", "ppo.no_eos_penalty"),
     ("ppo.recompute_logprobs=maybe", "ppo.recompute_logprobs"), ("ppo.rollout_is=geometric", "ppo.rollout_is"),
     ("ppo.rollout_is_threshold=0.5", "ppo.rollout_is_threshold"),
+    ("sampling.kv_cache_dtype=int8", "sampling.kv_cache_dtype"), ("sampling.fp8=maybe", "sampling.fp8"),
 ])
 def test_bad_worker_knobs_fail_naming_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as caught:
