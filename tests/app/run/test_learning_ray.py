@@ -6,6 +6,8 @@
   test_driver_ray.py). Measured on the 2-core dev machine, shared with other jobs (2026-12-01), 15
   iterations each: see README.md "Algorithms" for the figures; each run ends with an HF export
   of the actor and no critic (none of these algorithms has one);
+* grpo-tiny with FP8 rollouts (sampling.fp8, sampling.kv_cache_dtype fp8, emulated on CPU):
+  the importance weights it turns on stay near 1 and the reward rises as without;
 * examples/ppo-async-tiny.yaml (run.max_staleness 1, generation alone on GPUs 0-1): in
   timeline.jsonl the generation of iteration i + 1 runs while iteration i trains on GPUs 2-3; the
   metrics log staleness 1 and the importance weights used; the reward rises.
@@ -61,6 +63,15 @@ def test_algorithm_learns_the_toy_task(ray_session: None, tmp_path: Path, algori
 
 def train_stage(records: list[TimelineRecord], iteration: int) -> list[TimelineRecord]:
     return [r for r in records if r.kind == "call" and r.iteration == iteration and r.name != "actor_gen"]
+
+
+def test_grpo_learns_with_fp8_rollouts(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    metrics = run_example("grpo-tiny", tmp_path, "sampling.fp8=true", "sampling.kv_cache_dtype=fp8")
+    # rollout_is auto is on: the weights correct the FP8 rollout against the bf16 trainer.
+    assert all(0.8 < m["actor/rollout_is_mean"] < 1.2 and m["actor/rollout_is_truncated"] < 0.05 for m in metrics)
+    first, last = rise(metrics)
+    print(f"grpo with FP8 rollouts: first 5 {first:.3f}, last 5 {last:.3f}")
+    assert last > first + MARGIN
 
 
 def test_async_ppo_generates_the_next_batch_while_training(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
