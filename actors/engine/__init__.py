@@ -35,6 +35,7 @@ from actors.engine.process_groups import (
     node_address,
     world_timeout,
 )
+from actors.engine.tp_layers import reduce_from_tp_region
 
 __all__ = [
     # process_groups.py
@@ -52,4 +53,6 @@ __all__ = [
     "LossFn", "ModelEngine", "SequenceBatch", "TokenIdError", "check_token_ids",
     # hf_io.py
     "export_hf_checkpoint", "gather_tp_shards", "load_hf_checkpoint", "merge_stage_states",
+    # tp_layers.py (generation's FP8 MLP reduces its row-parallel output)
+    "reduce_from_tp_region",
 ]
