@@ -32,6 +32,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
 MIN_SCALE = 1e-12
+# torch._scaled_mm needs both dims of the weight to be multiples of 16; a weight that is not
+# (an odd vocabulary slice) keeps its bf16 copy, on every device alike.
+FP8_ALIGN = 16
 
 
 def fp8_matmul_supported(device: torch.device) -> bool:
@@ -103,7 +106,7 @@ class Fp8DecodeWeights:
                 int(idx): Fp8MLP(Fp8Weight.of(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])),
                                  Fp8Weight.of(layer.mlp.down_proj.weight), getattr(layer.mlp.down_proj, "group", None),
                                  self.hardware)
-                for idx, layer in model.model.layers.items()
+                for idx, layer in model.model.layers.items() if aligned(layer.mlp.down_proj.weight)
             }
             head = head_weight(model)
             self.head_weight = Fp8Weight.of(head) if head is not None else None
@@ -113,8 +116,9 @@ class Fp8DecodeWeights:
         """Bytes the copies take: one byte per weight element plus a float32 scale per row."""
         total = 0
         for layer in model.model.layers.values():
-            for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                total += part.weight.numel() + 4 * part.weight.shape[0]
+            if aligned(layer.mlp.down_proj.weight):
+                for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    total += part.weight.numel() + 4 * part.weight.shape[0]
         head = head_weight(model)
         return total + (head.numel() + 4 * head.shape[0] if head is not None else 0)
 
@@ -127,16 +131,24 @@ class Fp8DecodeWeights:
         return fp8_linear(hidden, self.head_weight, self.hardware) if self.head_weight is not None else None
 
 
+def aligned(weight: Tensor) -> bool:
+    """Both dims multiples of FP8_ALIGN (a down projection's [H, F_local] decides for its MLP:
+    gate and up are [F_local, H])."""
+    return weight.shape[0] % FP8_ALIGN == 0 and weight.shape[1] % FP8_ALIGN == 0
+
+
 def head_weight(model: nn.Module) -> Tensor | None:
     """The actor head's weight [V_local, H] (the embedding table when tied), None on a stage
-    without a head or a critic."""
+    without a head, a critic, or a head that is not FP8_ALIGN-aligned."""
     if not getattr(model, "has_head", False) or getattr(model, "critic", False):
         return None
     # Tied: the embedding table (under tp the head is a TiedVocabParallelHead over that table,
     # which owns no parameter; either way the rows are this rank's vocab slice).
     if model.lm_head is not None and not model.spec.tie_embeddings:
-        return model.lm_head.weight
-    return model.model.embed_tokens.weight
+        weight = model.lm_head.weight
+    else:
+        weight = model.model.embed_tokens.weight
+    return weight if aligned(weight) else None
 
 
 __all__ = ["FP8", "FP8_MAX", "Fp8DecodeWeights", "Fp8MLP", "Fp8Weight", "fp8_linear", "fp8_matmul_supported",

@@ -96,6 +96,20 @@ def test_fp8_copies_cover_every_mlp_and_the_head_and_their_bytes_are_counted() -
 
 
 @pytest.mark.unit
+def test_weights_that_scaled_mm_cannot_take_keep_their_bf16_copy() -> None:
+    """A vocabulary of 100 (not a multiple of 16): the head stays bf16, the MLPs go FP8."""
+    model = ours_from_hf(build_hf("Llama", vocab_size=100))
+    weights = Fp8DecodeWeights(model)
+    assert weights.head_weight is None and len(weights.mlps) == BASE["num_hidden_layers"]
+    assert weights.head(torch.zeros(2, BASE["hidden_size"])) is None  # the model then runs its own head
+    mlp_bytes = sum(m.gate_up.nbytes + m.down.nbytes for m in weights.mlps.values())
+    assert Fp8DecodeWeights.nbytes(model) == mlp_bytes
+    out = generate(model, random_prompts(100, [4, 6]), GenerationConfig(4, SamplingParams(temperature=0.0),
+                                                                        fp8_weights=True))
+    assert out.response_lengths.tolist() == [4, 4]
+
+
+@pytest.mark.unit
 def test_fp8_copies_count_in_the_memory_check() -> None:
     model = ours_from_hf(build_hf("Llama"))
     prompts = random_prompts(BASE["vocab_size"], [4, 4])
