@@ -136,7 +136,11 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
     result.gc_s, result.compile_s = per_call_mean("timing_gc_s"), per_call_mean("timing_compile_s")
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
                        f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
-                       f"sampling.compile={cfg.sampling.compile}")
+                       f"sampling.compile={cfg.sampling.compile}, fp8={cfg.sampling.fp8}, "
+                       f"kv_cache_dtype={cfg.sampling.kv_cache_dtype}")
+    if cfg.sampling.lossy_rollout:  # the importance weights the FP8 rollout turned on
+        weights = [r["actor/rollout_is_mean"] for r in timed if "actor/rollout_is_mean" in r]
+        result.settings += f"; actor/rollout_is_mean {min(weights):.4f}-{max(weights):.4f}" if weights else ""
     return result
 
 
