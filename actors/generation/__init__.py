@@ -4,6 +4,7 @@ May import actors.engine and actors.kernels. In dependency order:
   sampling     greedy / temperature / top-k / top-p, and the truncation the train side reapplies
   fp8_weights  FP8 copies of the MLP and head weights for decode steps (opt-in)
   kv_cache     the head-major KV cache decode reads once per step, and the fused [q; k; v] weights
+  cache_extension  tokens appended to a filled cache (multi-turn observations)
   decoding     what to generate, the recorded output, the memory check, the prefilled cache
   decode_step  the cached decode step (CUDA graph, torch.compile)
   prefill      the prompts' forward, once per distinct prompt (samples of one prompt share it)

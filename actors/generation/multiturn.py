@@ -36,10 +36,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from actors.engine import ParallelGroups, broadcast_from_first
+from actors.generation.cache_extension import CacheExtension, extension_batch
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
 from actors.generation.fp8_weights import Fp8DecodeWeights
-from actors.generation.kv_cache import CacheExtension, FusedQKV, extension_batch
+from actors.generation.kv_cache import FusedQKV
 from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
 from actors.generation.turns import TurnResult, TurnSource

@@ -1,7 +1,7 @@
 """DPO (Rafailov et al. 2023): offline preference optimisation on (prompt, chosen, rejected) pairs
 against a frozen reference policy; no generation, no reward model, no critic.
 
-Calls of `planning.dataflow.dpo_graph` (every call sees 2 x n_pairs rows; row 2i is prompt +
+Calls of `planning.algorithm_graphs.dpo_graph` (every call sees 2 x n_pairs rows; row 2i is prompt +
 chosen answer of pair i and row 2i + 1 is prompt + rejected answer, see `preference_shard`):
 
   ref_inf      logprobs    ref_logprobs per response token under the reference (temperature 1)

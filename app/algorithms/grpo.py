@@ -1,7 +1,7 @@
 """GRPO (Shao et al. 2024, DeepSeekMath): `group_size` samples per prompt, group-normalised outcome
 rewards as advantages, no critic, KL to the reference as a loss term instead of a reward penalty.
 
-Calls of `planning.dataflow.grpo_graph` (every call sees n_prompts x group_size rows; the generate
+Calls of `planning.algorithm_graphs.grpo_graph` (every call sees n_prompts x group_size rows; the generate
 op writes prompt_index = r // group_size for row r, and the actor groups rows by it, checking that
 each prompt has exactly group_size of them):
 

@@ -1,5 +1,5 @@
 """The critic-free outcome-reward algorithms beside GRPO: RLOO, REINFORCE++, REINFORCE++-baseline,
-DAPO and GSPO. Their graph is `planning.dataflow.outcome_graph`; the worker op is
+DAPO and GSPO. Their graph is `planning.algorithm_graphs.outcome_graph`; the worker op is
 `outcome_actor` (actors.worker.outcome_train), chosen by the `advantage` and `policy_loss` params.
 
 Calls (every call sees n_prompts x group_size rows; row r answers prompt_index r // group_size):

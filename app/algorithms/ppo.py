@@ -2,7 +2,7 @@
 hyperparameters. The worker-side code is actors.worker.calls and actors.worker.train; this
 module only fills `CallSpec.params` (the op name selects the computation and its loss).
 
-Calls of `planning.dataflow.ppo_graph`, the op each runs and the data keys it produces:
+Calls of `planning.algorithm_graphs.ppo_graph`, the op each runs and the data keys it produces:
 
   actor_gen    generate      prompt_ids, response_ids, logprobs (full temperature-scaled distribution), no_eos,
                              prompt_index (+ prompt, answer, decoded response with a tokenizer)

@@ -1,6 +1,6 @@
 """ReMax (Li et al. 2023): REINFORCE with the reward of the greedy response as the baseline.
 
-Calls of `planning.dataflow.remax_graph`:
+Calls of `planning.algorithm_graphs.remax_graph`:
 
   sample_gen      generate (sampling)                     -> prompt_ids, response_ids, logprobs, ...
   greedy_gen      generate (greedy, out_prefix greedy_)   -> greedy_prompt_ids, greedy_response_ids, ...

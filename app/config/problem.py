@@ -18,22 +18,10 @@ from pathlib import Path
 
 from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
+from planning.algorithm_graphs import OUTCOME_ALGORITHMS, dpo_graph, outcome_graph, ppo_graph, remax_graph
 from planning.cost import ModelRole, PlanningProblem
 from planning.cost_terms import OpEfficiency, preset_efficiency
-from planning.dataflow import (
-    MFC,
-    OUTCOME_ALGORITHMS,
-    BatchShape,
-    Graph,
-    MultiTurn,
-    dpo_graph,
-    outcome_graph,
-    ppo_graph,
-    prune_graph,
-    remax_graph,
-    with_entropy_bonus,
-    with_staleness,
-)
+from planning.dataflow import MFC, BatchShape, Graph, MultiTurn, prune_graph, with_entropy_bonus, with_staleness
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from planning.algorithm_graphs import ppo_graph
 from planning.cost import (
     CallCost,
     ModelRole,
@@ -21,7 +22,7 @@ from planning.cost_terms import (
     OpEfficiency,
     allreduce_s,
 )
-from planning.dataflow import MFC, BatchShape, Graph, ppo_graph
+from planning.dataflow import MFC, BatchShape, Graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

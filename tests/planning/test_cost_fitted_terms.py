@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.config import build_problem, load_config
+from planning.algorithm_graphs import grpo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
 from planning.cost_terms import (
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
@@ -21,7 +22,7 @@ from planning.cost_terms import (
     call_geometry,
     preset_efficiency,
 )
-from planning.dataflow import BatchShape, grpo_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from planning.algorithm_graphs import outcome_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
 from planning.cost_terms import (
     ENTROPY_LOGIT_BYTES,
@@ -18,7 +19,7 @@ from planning.cost_terms import (
     forward_tokens,
     inference_bytes_per_token_layer,
 )
-from planning.dataflow import BatchShape, outcome_graph, with_entropy_bonus
+from planning.dataflow import BatchShape, with_entropy_bonus
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

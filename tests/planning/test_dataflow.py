@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planning.dataflow import MFC, BatchShape, Graph, dpo_graph, grpo_graph, ppo_graph, prune_graph
+from planning.algorithm_graphs import dpo_graph, grpo_graph, ppo_graph
+from planning.dataflow import MFC, BatchShape, Graph, prune_graph
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +47,8 @@ def test_keys_still_read_keep_their_producers() -> None:
 
 
 def test_pruning_keeps_the_staleness_and_the_expected_runs() -> None:
-    from planning.dataflow import outcome_graph, with_staleness
+    from planning.algorithm_graphs import outcome_graph
+    from planning.dataflow import with_staleness
 
     graph = with_staleness(outcome_graph("dapo", BATCH, group_size=4, gen_runs=1.5), 2)
     pruned = prune_graph(graph, ["ref_logprobs"])

@@ -13,9 +13,10 @@ import pytest
 from app.config import build_problem, load_config
 from app.config.problem import build_graph, reward_is_model_free
 from app.reporting.report import plan_json, plan_report
+from planning.algorithm_graphs import grpo_graph
 from planning.cost import call_cost, rlhf_problem
 from planning.cost_terms import MODEL_FREE_S_PER_TOKEN
-from planning.dataflow import MFC, BatchShape, grpo_graph
+from planning.dataflow import MFC, BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from planning.algorithm_graphs import grpo_graph, ppo_graph, remax_graph
 from planning.calibrate import CallMeasurement, calibrate, calibrated_problem, with_measured_rollout
 from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, trajectory
 from planning.cost_terms import call_geometry
-from planning.dataflow import MFC, BatchShape, MultiTurn, grpo_graph, ppo_graph, remax_graph
+from planning.dataflow import MFC, BatchShape, MultiTurn
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

@@ -9,8 +9,9 @@ from itertools import pairwise
 
 import pytest
 
+from planning.algorithm_graphs import grpo_graph, ppo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
-from planning.dataflow import BatchShape, grpo_graph, ppo_graph, prune_graph
+from planning.dataflow import BatchShape, prune_graph
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

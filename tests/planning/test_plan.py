@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from planning.algorithm_graphs import grpo_graph, ppo_graph
 from planning.call_levels import MAX_INFERENCE_MICRO_TOKENS, MAX_MICRO_TOKENS, split_of
 from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem
-from planning.dataflow import BatchShape, grpo_graph, ppo_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

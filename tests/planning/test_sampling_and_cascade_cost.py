@@ -10,6 +10,7 @@ import pytest
 
 from app.config import load_config
 from app.config.problem import build_graph
+from planning.algorithm_graphs import grpo_graph
 from planning.cost import call_cost, rlhf_problem
 from planning.cost_terms import (
     CASCADE_OVERHEAD_KERNELS,
@@ -18,7 +19,7 @@ from planning.cost_terms import (
     Links,
     sampling_s,
 )
-from planning.dataflow import BatchShape, grpo_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

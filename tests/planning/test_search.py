@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from planning.algorithm_graphs import dpo_graph, grpo_graph, ppo_graph, remax_graph
 from planning.candidates import CandidateOptions, call_candidates, prune_classes
 from planning.cost import PlanningProblem, rlhf_problem
-from planning.dataflow import BatchShape, dpo_graph, grpo_graph, ppo_graph, remax_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from planning.algorithm_graphs import ppo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
-from planning.dataflow import BatchShape, ppo_graph, with_staleness
+from planning.dataflow import BatchShape, with_staleness
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

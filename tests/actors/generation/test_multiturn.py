@@ -185,7 +185,7 @@ def test_observation_prefill_reads_the_cache_in_place() -> None:
     place through a strided view (FlashAttention with seqused_k), equals attention over the same
     rows' history gathered token-major; rows out of order, GQA (4 query heads per KV head)."""
     from actors.engine.attention import attention_over_history
-    from actors.generation.kv_cache import attend_rows_in_place
+    from actors.generation.cache_extension import attend_rows_in_place
 
     torch.manual_seed(0)
     device, dtype = torch.device("cuda"), torch.bfloat16

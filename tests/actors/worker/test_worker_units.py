@@ -12,7 +12,6 @@ import torch
 from actors.engine.model_engine import SequenceBatch
 from actors.worker import CallSpec, ModelWorker
 from actors.worker.calls import default_op
-from actors.worker.generate import generation_seed
 from actors.worker.data import (
     dp_rows,
     gather_responses,
@@ -22,8 +21,10 @@ from actors.worker.data import (
     reward_score,
     scatter_responses,
 )
+from actors.worker.generate import generation_seed
+from planning.algorithm_graphs import ppo_graph
 from planning.cost import rlhf_problem
-from planning.dataflow import BatchShape, ppo_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec

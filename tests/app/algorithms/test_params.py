@@ -18,7 +18,8 @@ from app.algorithms import (
     settings_from_config,
 )
 from app.config import ConfigError, build_problem, load_config
-from planning.dataflow import BatchShape, grpo_graph, ppo_graph, remax_graph
+from planning.algorithm_graphs import grpo_graph, ppo_graph, remax_graph
+from planning.dataflow import BatchShape
 
 BATCH = BatchShape(4, 8, 8)
 TINY = Path(__file__).resolve().parents[3] / "examples" / "ppo-tiny.yaml"

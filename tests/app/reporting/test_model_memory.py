@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from app.reporting.report import PlanReport, draw_gantt, format_plan_table, plan_json, plan_report, simulated_bars
+from planning.algorithm_graphs import grpo_graph
 from planning.cost import PlanningProblem, rlhf_problem
-from planning.dataflow import BatchShape, grpo_graph
+from planning.dataflow import BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec
 from planning.models import model_preset

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from app.run.staleness import StageSchedule, Unit, staleness_metrics, submission_units
-from planning.dataflow import BatchShape, ppo_graph, with_staleness
+from planning.algorithm_graphs import ppo_graph
+from planning.dataflow import BatchShape, with_staleness
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +61,7 @@ def test_a_resumed_run_starts_its_schedule_at_the_resumed_iteration() -> None:
 
 
 def test_dpo_cannot_run_ahead() -> None:
-    from planning.dataflow import dpo_graph
+    from planning.algorithm_graphs import dpo_graph
 
     with pytest.raises(ValueError, match="no generation"):
         with_staleness(dpo_graph(BatchShape(4, 4, 4)), 1)
