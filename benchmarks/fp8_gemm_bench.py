@@ -23,24 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
+from actors.generation.fp8_weights import Fp8Weight, fp8_linear, quantize_rows
+
 # (name, out, in, per step): Llama-3.2-1B's projections; gate and up fused as one GEMM.
 SHAPES = (("qkv", 3072, 2048, 16), ("o", 2048, 2048, 16), ("gate_up", 16384, 2048, 16),
           ("down", 2048, 8192, 16), ("lm_head", 128256, 2048, 1))
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~= q * scale."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def fp8_mm(x8: Tensor, x_scale: Tensor, w8: Tensor, w_scale: Tensor, fast: bool) -> Tensor:
-    """x8 [M, K], w8 [N, K] -> bf16 [M, N]; emulated in float32 off CUDA."""
+def fp8_mm(x8: Tensor, x_scale: Tensor, weight: Fp8Weight, fast: bool) -> Tensor:
+    """The product alone, activation already quantized: x8 [M, K] -> bf16 [M, N] (as
+    actors.generation.fp8_weights.fp8_linear runs it, with the accumulation mode a knob here);
+    emulated in float32 off CUDA."""
     if x8.device.type != "cuda":
-        return ((x8.float() * x_scale) @ (w8.float() * w_scale).t()).to(torch.bfloat16)
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16,
+        return ((x8.float() * x_scale) @ (weight.q.float() * weight.scale).t()).to(torch.bfloat16)
+    return torch._scaled_mm(x8, weight.q.t(), scale_a=x_scale, scale_b=weight.scale.t(), out_dtype=torch.bfloat16,
                             use_fast_accum=fast)
 
 
@@ -76,17 +72,17 @@ def bench_shape(rows: int, out_f: int, in_f: int, device: torch.device, args: ar
     cuda = device.type == "cuda"
     x = torch.randn(rows, in_f, device=device, dtype=torch.bfloat16)
     w = torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16) * 0.02
-    w8, w_scale = quantize_rows(w)
+    weight = Fp8Weight.of(w)
     x8, x_scale = quantize_rows(x)
-    quant_mm = torch.compile(lambda a: fp8_mm(*quantize_rows(a), w8, w_scale, True)) if cuda else (
-        lambda a: fp8_mm(*quantize_rows(a), w8, w_scale, True))
+    # The engine's own product (quantization of x included), compiled as a decode step would be.
+    quant_mm = torch.compile(lambda a: fp8_linear(a, weight)) if cuda else (lambda a: fp8_linear(a, weight))
     with torch.no_grad():
         ref = F.linear(x, w).float()
-        err = (fp8_mm(x8, x_scale, w8, w_scale, True).float() - ref).norm() / ref.norm()
+        err = (fp8_mm(x8, x_scale, weight, True).float() - ref).norm() / ref.norm()
         return {
             "bf16": time_ms(lambda: F.linear(x, w), args.inner, args.repeats, cuda),
-            "fp8": time_ms(lambda: fp8_mm(x8, x_scale, w8, w_scale, False), args.inner, args.repeats, cuda),
-            "fp8_fast": time_ms(lambda: fp8_mm(x8, x_scale, w8, w_scale, True), args.inner, args.repeats, cuda),
+            "fp8": time_ms(lambda: fp8_mm(x8, x_scale, weight, False), args.inner, args.repeats, cuda),
+            "fp8_fast": time_ms(lambda: fp8_mm(x8, x_scale, weight, True), args.inner, args.repeats, cuda),
             "fp8_quant": time_ms(lambda: quant_mm(x), args.inner, args.repeats, cuda),
             "rel_err": float(err),
         }

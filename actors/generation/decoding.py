@@ -18,9 +18,9 @@ from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import DECODE_KERNELS, FusedQKV, HeadMajorKVCache
 from actors.generation.sampling import SampledTokens, SamplingParams, step_uniforms
 
-
 # GenerationConfig.kv_cache_dtype -> the cache's dtype (None: the model's own).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+
 
 @dataclass(frozen=True)
 class GenerationConfig:

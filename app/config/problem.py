@@ -71,12 +71,11 @@ def build_graph(cfg: ExperimentConfig) -> Graph:
         graph = replace(graph, mfcs=tuple(replace(m, model_free=True) if m.role == "reward" else m
                                           for m in graph.mfcs))
     s = cfg.sampling
-    if s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0):
-        graph = replace(graph, mfcs=tuple(replace(m, truncated_sampling=True) if m.kind == "generate" else m
-                                          for m in graph.mfcs))
-    if s.lossy_rollout:
-        graph = replace(graph, mfcs=tuple(replace(m, fp8_decode=s.fp8, fp8_kv_cache=s.kv_cache_dtype == "fp8")
-                                          if m.kind == "generate" else m for m in graph.mfcs))
+    # How the generate calls sample (each priced by planning.cost_passes.generate_parts).
+    sampling = {"truncated_sampling": s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0),
+                "fp8_decode": s.fp8, "fp8_kv_cache": s.kv_cache_dtype == "fp8"}
+    if any(sampling.values()):
+        graph = replace(graph, mfcs=tuple(replace(m, **sampling) if m.kind == "generate" else m for m in graph.mfcs))
     return with_entropy_bonus(graph) if cfg.ppo.entropy_coef > 0 else graph
 
 
