@@ -72,16 +72,19 @@ def trajectory(batch: BatchShape, multi_turn: MultiTurn | None) -> Trajectory:
     )
 
 
-def observation_parts(geo: CallGeometry, layout: Layout, links: Links, seqs: int, traj: Trajectory) -> dict[str, float]:
+def observation_parts(geo: CallGeometry, layout: Layout, links: Links, seqs: int, traj: Trajectory,
+                      kv_itemsize: float = 2.0) -> dict[str, float]:
     """Seconds of one round of `seqs` sequences spent on observations and environments:
-    `obs_prefill_s` (turns prefill passes, absent without observation tokens) and `env_wait_s`."""
+    `obs_prefill_s` (turns prefill passes, absent without observation tokens) and `env_wait_s`.
+    The prefill runs the bf16 weights even in an FP8 decode; `kv_itemsize` is the bytes per
+    cached value the history is read at (1 for an FP8 cache)."""
     parts = {"env_wait_s": traj.turns * traj.env_step_s}
     if traj.obs_tokens <= 0:
         return parts
     tokens = seqs * traj.obs_tokens
     # The projections run as in a prefill (compute-bound for thousands of tokens, else bound
     # by streaming the weights); the attention reads every row's history, as a decode step does.
-    kv_read = seqs * traj.ctx * geo.kv_bytes_per_token_layer * geo.stage_layers
+    kv_read = seqs * traj.ctx * geo.kv_bytes_per_token_layer * geo.stage_layers * kv_itemsize / 2.0
     matmul = max(tokens * geo.stage_flops_per_token(0.0) / links.flops, 2.0 * geo.stage_params / links.hbm)
     history = kv_read / links.hbm + tokens * geo.stage_layers * geo.attn_flops_per_ctx * traj.ctx / links.flops
     elementwise = tokens * geo.stage_layers * geo.layer_elementwise_bytes / links.elementwise_hbm

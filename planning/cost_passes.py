@@ -155,7 +155,7 @@ def generate_parts(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, se
         parts["pp_p2p_s"] = parts.get("pp_p2p_s", 0.0) + steps * slots * send
         parts["pp_bubble_s"] = parts.get("pp_bubble_s", 0.0) + (layout.pp - 1) * per_mb_stage  # pipeline fill
     if mfc.multi_turn is not None:
-        parts.update(observation_parts(geo, layout, links, per_round, traj))
+        parts.update(observation_parts(geo, layout, links, per_round, traj, kv_itemsize))
     parts = {k: rounds * v for k, v in parts.items()}
     parts["weights_bytes"] = weights
     if mfc.fp8_decode:  # the call's FP8 copies (one byte per weight; the row scales are noise)

@@ -68,6 +68,9 @@ FUSED_SAMPLING_BYTES_PER_LOGIT = 4
 # (benchmarks/fp8_gemm_bench.py, 2026-12-05: 1.659 ms of bf16 [gate; up], down and head GEMMs
 # per step against 1.277 ms compiled with the quantization; 1.021 ms for the FP8 GEMMs alone).
 FP8_DECODE_SPEEDUP = 1.3
+# torch._scaled_mm takes e4m3 weights whose two dims are multiples of 16; the worker keeps any
+# other weight in bf16 (actors.generation.fp8_weights.FP8_ALIGN, which a test holds equal).
+FP8_ALIGN = 16
 # A forward over shared prompts (actors.engine.shared_prefix_attention) runs per block and
 # micro-batch a second FlashAttention call, the merge and two copies, and as many again in the
 # backward: fixed time of about this many kernel launches per block, micro-batch and pass
@@ -177,8 +180,14 @@ class CallGeometry:
 
     def fp8_stage_params(self) -> float:
         """Weights of the deepest stage an FP8 decode holds as FP8 copies: its blocks' MLPs
-        and the head (an actor's LM head on the last stage; pp = 1 takes both together)."""
-        return self.stage_layers * self.layer_mlp_params + (0.0 if self.critic else self.head_flops / 2)
+        and the head (an actor's LM head on the last stage; pp = 1 takes both together). A
+        weight whose local dims are not multiples of FP8_ALIGN stays bf16, as the worker does."""
+        h = self.spec.hidden_size
+        local_ffn = self.layer_mlp_params / (3.0 * h)  # intermediate_size / tp
+        local_vocab = self.head_flops / (2.0 * h)  # vocab_size / tp (1 for a critic's value head)
+        mlps = self.stage_layers * self.layer_mlp_params if fp8_aligned(h, local_ffn) else 0.0
+        head = self.head_flops / 2 if not self.critic and fp8_aligned(h, local_vocab) else 0.0
+        return mlps + head
 
     def stage_flops_per_token(self, ctx: float) -> float:
         """Forward FLOPs per token on the slowest stage, attending to `ctx` keys on average."""
@@ -187,6 +196,11 @@ class CallGeometry:
         per_block = self.layer_matmul_flops + self.attn_flops_per_ctx * ctx
         last = len(self.stage_blocks) - 1
         return max(b * per_block + (self.head_flops if s == last else 0.0) for s, b in enumerate(self.stage_blocks))
+
+
+def fp8_aligned(*dims: float) -> bool:
+    """Whether every dim is a whole multiple of FP8_ALIGN (dims may come from float arithmetic)."""
+    return all(round(d) == d and round(d) % FP8_ALIGN == 0 for d in dims)
 
 
 def call_geometry(spec: ModelSpec, critic: bool, layout: Layout) -> CallGeometry | str:

@@ -11,15 +11,17 @@ import pytest
 from app.config import load_config
 from app.config.problem import build_graph
 from planning.algorithm_graphs import grpo_graph
-from planning.cost import call_cost, rlhf_problem
+from planning.cost import PlanningProblem, call_cost, rlhf_problem
 from planning.cost_terms import (
     CASCADE_OVERHEAD_KERNELS,
     FUSED_SAMPLING_BYTES_PER_LOGIT,
     SAMPLING_PASSES,
     Links,
+    call_geometry,
+    fp8_aligned,
     sampling_s,
 )
-from planning.dataflow import BatchShape
+from planning.dataflow import BatchShape, Graph
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset
@@ -32,13 +34,13 @@ ONE_GPU = Placement(Mesh(0, 1, 1), Layout(1, 1, 1))
 H200 = hardware_preset("h200-141g")
 
 
-def _problem():  # noqa: ANN202 - a PlanningProblem
+def _problem() -> PlanningProblem:
     graph = grpo_graph(BatchShape(64, 128, 512), 8)
     return rlhf_problem(graph, ClusterSpec(1, 1, H200), model_preset("llama3.2-1b"))
 
 
 def test_config_marks_truncated_sampling_on_the_generate_calls(tmp_path: Path) -> None:
-    def graph(sampling: str):  # noqa: ANN202
+    def graph(sampling: str) -> Graph:
         path = tmp_path / "c.yaml"
         path.write_text(BASE + sampling)
         return build_graph(load_config(path))
@@ -112,3 +114,19 @@ def test_an_fp8_kv_cache_halves_its_bytes_and_its_reads(tmp_path: Path) -> None:
     assert fp8["kv_cache_bytes"] == pytest.approx(bf16["kv_cache_bytes"] / 2)
     assert fp8["prefill_s"] == bf16["prefill_s"] and fp8["weights_bytes"] == bf16["weights_bytes"]
     assert 0.1 < 1 - fp8["decode_s"] / bf16["decode_s"] < 0.5  # the attention's share of a step, halved
+
+
+def test_fp8_copies_are_priced_only_for_weights_the_worker_can_quantize() -> None:
+    """The worker keeps a weight in bf16 when a local dim is not a multiple of FP8_ALIGN
+    (actors.generation.fp8_weights); the planner then prices neither its copy nor a speed-up."""
+    spec = model_preset("llama3.2-1b")
+    h, ffn, layers = spec.hidden_size, spec.intermediate_size, spec.n_layers
+    aligned = call_geometry(spec, False, Layout(1, 1, 1))
+    assert aligned.fp8_stage_params() == pytest.approx(layers * 3 * h * ffn + spec.vocab_size * h)
+    odd_vocab = call_geometry(replace(spec, vocab_size=128250), False, Layout(1, 1, 1))  # 128250 % 16 == 10
+    assert odd_vocab.fp8_stage_params() == pytest.approx(layers * 3 * h * ffn)
+    # tp = 2 halves each shard's vocabulary: 2 x 64,008 rows is 16-aligned whole, not per shard.
+    split = call_geometry(replace(spec, vocab_size=128016), False, Layout(1, 2, 1))
+    assert split.fp8_stage_params() == pytest.approx(layers * 3 * h * ffn / 2)
+    assert call_geometry(spec, True, Layout(1, 1, 1)).fp8_stage_params() == pytest.approx(layers * 3 * h * ffn)
+    assert fp8_aligned(2048, 8192) and not fp8_aligned(2048, 8200) and not fp8_aligned(2048.5)

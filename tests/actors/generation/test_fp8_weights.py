@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from actors.generation.decoding import GenerationConfig
-from actors.generation.fp8_weights import FP8_MAX, Fp8DecodeWeights, Fp8Weight, fp8_linear, quantize_rows
+from actors.generation.fp8_weights import FP8_ALIGN, FP8_MAX, Fp8DecodeWeights, Fp8Weight, fp8_linear, quantize_rows
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
+from planning.cost_terms import FP8_ALIGN as PLANNED_FP8_ALIGN
 from tests.actors.generation.test_generate import BASE, build_hf, forward_logprobs, ours_from_hf, random_prompts
 
 torch.set_num_threads(1)
@@ -107,6 +108,12 @@ def test_weights_that_scaled_mm_cannot_take_keep_their_bf16_copy() -> None:
     out = generate(model, random_prompts(100, [4, 6]), GenerationConfig(4, SamplingParams(temperature=0.0),
                                                                         fp8_weights=True))
     assert out.response_lengths.tolist() == [4, 4]
+
+
+@pytest.mark.unit
+def test_the_planner_prices_the_same_alignment_rule() -> None:
+    """planning.cost_terms prices FP8 copies only for the weights this module quantizes."""
+    assert FP8_ALIGN == PLANNED_FP8_ALIGN
 
 
 @pytest.mark.unit
