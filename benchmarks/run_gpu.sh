@@ -37,6 +37,14 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *copy* ]] && run segment_copy python3 benchmarks/segment_copy_bench.py
 # The gpu test tier (pytest comes from .whl: prepare-wheels.sh pytest pluggy iniconfig pytest-timeout).
 [[ $only == *gputests* ]] && run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+# FP8 rollouts (issue 27, thirteenth step; one H200, ~4 minutes): their gpu tests (the _scaled_mm
+# product, the Triton kernels on an e4m3 cache, generation under graph and compile), then the peer
+# bench's decode in bf16 and with each setting. Follow with ONLY=peer and PEER_ARGS="--set
+# sampling.fp8=true --set sampling.kv_cache_dtype=fp8" for the whole step.
+[[ $only == *fp8* ]] && LIMIT=${FP8_TEST_LIMIT:-150} run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/actors/generation/test_fp8_weights.py tests/actors/kernels/test_decode_attention.py
+[[ $only == *fp8* ]] && LIMIT=${FP8_LIMIT:-240} run generate_fp8 python3 benchmarks/generate_bench.py --grpo-step \
+  --modes ${FP8_MODES:-graph+compile,graph+compile+fp8,graph+compile+fp8kv,graph+compile+fp8+fp8kv}
 # Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--pull off".
 [[ $only == *realloc* && -n ${REALLOC_ARGS:-} ]] && run realloc_b python3 benchmarks/realloc_bench.py $REALLOC_ARGS
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).
