@@ -147,6 +147,25 @@ def test_fp8_kv_cache_halves_its_bytes_and_stays_close() -> None:
         GenerationConfig(2, kv_cache_dtype="int8")
 
 
+@pytest.mark.unit
+def test_compiled_decode_runs_the_fp8_path_in_one_graph() -> None:
+    """torch.compile (inductor on CPU) traces the decode step through the cache's FP8 MLPs, head
+    and e4m3 cache without a graph break and samples what the eager FP8 step samples."""
+    from torch._dynamo.utils import counters
+
+    model = ours_from_hf(build_hf("Llama", tie_word_embeddings=True))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6])
+    config = {"max_new_tokens": 6, "sampling": SamplingParams(temperature=0.0), "fp8_weights": True,
+              "kv_cache_dtype": "fp8"}
+    eager = generate(model, prompts, GenerationConfig(**config))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(model, prompts, GenerationConfig(**config, compile_decode=True))
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(eager.tokens, compiled.tokens)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_scaled_mm_matches_the_emulated_product_on_gpu() -> None:
     from actors.generation.fp8_weights import fp8_matmul_supported
