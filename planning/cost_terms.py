@@ -353,11 +353,12 @@ def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float, fp8
     and by their FLOPs for large ones (2 * rows * params: at 512 rows a 1B model's step is
     compute-bound on an H200); the attention reads each row's cached K/V once, which no batch
     size amortises. The two do not overlap (one stream), so their times add. `fp8`: the MLPs and
-    head stream one byte per weight and multiply FP8_DECODE_SPEEDUP times faster; `kv_itemsize`:
+    head stream one byte per weight and multiply FP8_DECODE_SPEEDUP times faster, on hardware with
+    FP8 matmuls (`HardwareSpec.fp8_matmul`; the CPU's emulation is priced as bf16); `kv_itemsize`:
     bytes per cached value (1 for an FP8 cache)."""
     flops = rows * geo.stage_flops_per_token(0.0)
     weight_bytes = 2.0 * geo.stage_params
-    if fp8:
+    if fp8 and links.hw.fp8_matmul:
         fp8_params = geo.fp8_stage_params()
         weight_bytes -= fp8_params  # one byte instead of two
         flops -= 2.0 * rows * fp8_params * (1.0 - 1.0 / FP8_DECODE_SPEEDUP)  # as bf16-equivalent FLOPs

@@ -35,6 +35,9 @@ class HardwareSpec:
     host_mem_bytes: host RAM per GPU a plan may fill (node RAM / GPUs of the node, before the
         reserve for Ray and the worker processes: `planning.offload.host_capacity_bytes`). The
         GPUs of a node share their node's RAM: the planner checks the sum per node.
+    fp8_matmul: the GPU multiplies e4m3 operands in hardware (compute capability >= 8.9), so an
+        FP8 decode (sampling.fp8) runs faster there; elsewhere a config asking for one is refused
+        (the CPU emulates it, for tests, and is priced as bf16).
     """
 
     name: str
@@ -50,6 +53,7 @@ class HardwareSpec:
     fused_elementwise: bool = True
     host_bw: float = 25e9
     host_mem_bytes: float = 128 * GiB
+    fp8_matmul: bool = False
 
     def with_profile(self, path: str | Path) -> HardwareSpec:
         """Copy of this spec with the fields a measured profile JSON provides."""
@@ -61,7 +65,7 @@ class HardwareSpec:
     def with_profile_fields(self, data: dict[str, object], source: str = "profile") -> HardwareSpec:
         """Copy of this spec with the numeric fields of a profile's JSON object."""
         known = {k: v for k, v in data.items()
-                 if k in self.__dataclass_fields__ and k not in ("name", "fused_elementwise")}
+                 if k in self.__dataclass_fields__ and k not in ("name", "fused_elementwise", "fp8_matmul")}
         for key, value in known.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"profile {source}: {key}={value!r} must be a positive number")
@@ -82,7 +86,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     ),
     "h100-80g": HardwareSpec(
         name="h100-80g", peak_flops=989e12 * 0.75, hbm_bw=3.35e12 * 0.85, mem_bytes=80 * GiB * 0.92,
-        intra_node_bw=360e9, inter_node_bw=50e9, host_bw=50e9, host_mem_bytes=256 * GiB,
+        intra_node_bw=360e9, inter_node_bw=50e9, host_bw=50e9, host_mem_bytes=256 * GiB, fp8_matmul=True,
     ),
     # Measured on the lent H200s: bf16 matmul 785 TFLOP/s, HBM copy 4.3 TB/s, NCCL bcast 367 GB/s.
     # kernel_overhead_s and generate_setup_s: fitted to the generate calls of 0.5B-8B models (a
@@ -98,7 +102,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h200-141g": HardwareSpec(
         name="h200-141g", peak_flops=785e12, hbm_bw=4.3e12, mem_bytes=139 * GiB * 0.95,
         intra_node_bw=367e9, inter_node_bw=50e9, host_bw=47.5e9, host_mem_bytes=128 * GiB,
-        kernel_overhead_s=65e-6, generate_setup_s=9e-3,
+        kernel_overhead_s=65e-6, generate_setup_s=9e-3, fp8_matmul=True,
     ),
     # Virtual GPUs of the CPU test setup: gloo over loopback, a few GFLOP/s per worker; "device"
     # and host memory are the same RAM, so offload is a plain copy.

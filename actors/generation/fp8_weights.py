@@ -42,6 +42,21 @@ def fp8_matmul_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse a CUDA GPU without FP8 matmuls: there the product would run the float32 emulation,
+    dequantizing every weight each step (slower than bf16, and 4 bytes a weight at a time). The
+    planner refuses such a GPU preset first (app.config); this catches a cluster.gpu that names
+    another GPU than the one that runs."""
+    if device.type == "cuda" and not fp8_matmul_supported(device):
+        raise ValueError(fp8_gpu_error(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)))
+
+
+def fp8_gpu_error(name: str, capability: tuple[int, int]) -> str:
+    major, minor = capability
+    return (f"sampling.fp8 (GenerationConfig.fp8_weights): {name} (compute capability {major}.{minor}) has no FP8 "
+            "matmuls, which need >= 8.9; set sampling.fp8: false on this GPU")
+
+
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~= q * scale, one scale per row."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
@@ -100,7 +115,9 @@ class Fp8DecodeWeights:
 
     def __init__(self, model: nn.Module) -> None:
         # The model's MLPs are bias-free (actors.engine.model.MLP), so no bias is carried here.
-        self.hardware = fp8_matmul_supported(next(model.parameters()).device)
+        device = next(model.parameters()).device
+        check_fp8_device(device)
+        self.hardware = fp8_matmul_supported(device)
         with torch.no_grad():
             self.mlps: dict[int, Fp8MLP] = {
                 int(idx): Fp8MLP(Fp8Weight.of(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])),
@@ -151,5 +168,5 @@ def head_weight(model: nn.Module) -> Tensor | None:
     return weight if aligned(weight) else None
 
 
-__all__ = ["FP8", "FP8_MAX", "Fp8DecodeWeights", "Fp8MLP", "Fp8Weight", "fp8_linear", "fp8_matmul_supported",
-           "quantize_rows"]
+__all__ = ["FP8", "FP8_MAX", "Fp8DecodeWeights", "Fp8MLP", "Fp8Weight", "check_fp8_device", "fp8_gpu_error",
+           "fp8_linear", "fp8_matmul_supported", "quantize_rows"]

@@ -352,4 +352,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
             if source is not None and getattr(source, name) is not None:
                 raise ConfigError(f"models.{role}.{name}", getattr(source, name),
                                   f"unset: only models.reward reads {name} (when its tokenizer is not the actor's)")
+    gpu = cfg.cluster.gpu
+    if cfg.sampling.fp8 and not (HARDWARE_PRESETS[gpu].fp8_matmul or gpu == "cpu" or cfg.cluster.virtual_gpus):
+        with_fp8 = ", ".join(name for name, spec in HARDWARE_PRESETS.items() if spec.fp8_matmul)
+        raise ConfigError("sampling.fp8", True, f"false, or a cluster.gpu with FP8 matmuls: {with_fp8}",
+                          f"cluster.gpu={gpu!r} has no FP8 matmuls (they need compute capability >= 8.9)")
     check_training_fields(cfg)  # the algorithm sections: app.config.checks

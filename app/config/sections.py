@@ -106,8 +106,9 @@ class SamplingConfig(TrainSection):
     call keep bf16. The responses are then sampled from a slightly different policy than the one
     trained, so ppo.rollout_is 'auto' turns on token-level importance weights with it. Off by
     default: it changes what is sampled (docs/benchmarks.md, issue 27, has its speed and gap).
-    Needs a GPU with FP8 matmuls (compute capability >= 8.9) to be faster; elsewhere it is
-    emulated (slower, same numbers).
+    Needs a GPU with FP8 matmuls (compute capability >= 8.9: the h100-80g and h200-141g presets);
+    a cluster.gpu without them is refused, and so is such a GPU at run time. The CPU emulates it
+    (slower, same numbers), which is how the tests run it.
     kv_cache_dtype: auto (the actor's dtype) or fp8 (e4m3 without a scale: half the KV cache's
     memory and of decode attention's reads; K/V rounded to 3 mantissa bits). Like fp8, it makes
     ppo.rollout_is 'auto' turn importance weights on.

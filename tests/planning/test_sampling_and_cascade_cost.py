@@ -130,3 +130,17 @@ def test_fp8_copies_are_priced_only_for_weights_the_worker_can_quantize() -> Non
     assert split.fp8_stage_params() == pytest.approx(layers * 3 * h * ffn / 2)
     assert call_geometry(spec, True, Layout(1, 1, 1)).fp8_stage_params() == pytest.approx(layers * 3 * h * ffn)
     assert fp8_aligned(2048, 8192) and not fp8_aligned(2048, 8200) and not fp8_aligned(2048.5)
+
+
+def test_fp8_decode_is_priced_faster_only_where_the_gpu_has_fp8_matmuls() -> None:
+    """On hardware without FP8 matmuls (HardwareSpec.fp8_matmul false: the CPU's emulation) the
+    decode is priced as bf16; the copies' memory is still held."""
+    problem = _problem()
+    gen = problem.graph.mfc("actor_gen")
+    rounds = CallExecution(gen_rounds=1)
+    no_fp8 = replace(problem, cluster=replace(problem.cluster, hardware=replace(H200, fp8_matmul=False)))
+    bf16, fp8 = (call_cost(no_fp8, replace(gen, fp8_decode=f), ONE_GPU, execution=rounds) for f in (False, True))
+    assert fp8.breakdown["decode_s"] == pytest.approx(bf16.breakdown["decode_s"])
+    assert fp8.breakdown["fp8_weights_bytes"] > 0
+    assert H200.fp8_matmul and hardware_preset("h100-80g").fp8_matmul
+    assert not hardware_preset("a100-80g").fp8_matmul and not hardware_preset("cpu").fp8_matmul

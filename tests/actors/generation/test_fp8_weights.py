@@ -11,7 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from actors.generation.decoding import GenerationConfig
-from actors.generation.fp8_weights import FP8_ALIGN, FP8_MAX, Fp8DecodeWeights, Fp8Weight, fp8_linear, quantize_rows
+from actors.generation.fp8_weights import (
+    FP8_ALIGN,
+    FP8_MAX,
+    Fp8DecodeWeights,
+    Fp8Weight,
+    check_fp8_device,
+    fp8_gpu_error,
+    fp8_linear,
+    quantize_rows,
+)
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.cost_terms import FP8_ALIGN as PLANNED_FP8_ALIGN
@@ -108,6 +117,16 @@ def test_weights_that_scaled_mm_cannot_take_keep_their_bf16_copy() -> None:
     out = generate(model, random_prompts(100, [4, 6]), GenerationConfig(4, SamplingParams(temperature=0.0),
                                                                         fp8_weights=True))
     assert out.response_lengths.tolist() == [4, 4]
+
+
+@pytest.mark.unit
+def test_a_gpu_without_fp8_matmuls_is_refused_naming_it_and_the_setting() -> None:
+    """On CUDA below compute capability 8.9 the product would be the float32 emulation; the CPU
+    keeps it (the tests run it), so only the message can be checked here."""
+    check_fp8_device(torch.device("cpu"))  # no error: the emulation is the CPU path
+    message = fp8_gpu_error("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert "sampling.fp8" in message and "NVIDIA A100-SXM4-80GB (compute capability 8.0)" in message
+    assert ">= 8.9" in message and "set sampling.fp8: false" in message
 
 
 @pytest.mark.unit

@@ -140,11 +140,27 @@ def test_bad_override(override: str, field: str) -> None:
     ({"plan": {"recalibrate_after": 0}}, "plan.recalibrate_after", "greater than or equal to 1"),
     ({"plan": {"switch_gain": -0.1}}, "plan.switch_gain", "greater than or equal to 0"),
     ({"trainer": {"wandb": True}}, "trainer", "algorithm, models, batch, cluster, plan, run, data"),
+    ({"cluster": {"gpu": "a100-80g", "gpus_per_node": 4}, "sampling": {"fp8": True}}, "sampling.fp8",
+     "h100-80g, h200-141g"),
 ])
 def test_schema_errors_name_field_value_and_allowed(change: dict[str, Any], field: str, allowed_part: str) -> None:
     error = expect_error(tiny_raw(**change), field)
     assert allowed_part in error.allowed
     assert "allowed:" in str(error)
+
+
+def test_fp8_decode_is_refused_only_on_gpus_without_fp8_matmuls() -> None:
+    """An A100 would run sampling.fp8 through the float32 emulation: refused naming the GPU. H100 /
+    H200 take it, and so do the CPU's virtual GPUs (the tests' emulation); an FP8 cache needs no
+    FP8 matmuls."""
+    error = expect_error(tiny_raw(cluster={"gpu": "a100-80g", "gpus_per_node": 4}, sampling={"fp8": True}),
+                         "sampling.fp8")
+    assert "cluster.gpu='a100-80g' has no FP8 matmuls" in str(error)
+    for cluster in ({"gpu": "h100-80g", "gpus_per_node": 4}, {"gpu": "a100-80g", "gpus_per_node": 4,
+                                                             "virtual_gpus": True}, {"gpu": "cpu", "gpus_per_node": 4}):
+        assert validate_config(tiny_raw(cluster=cluster, sampling={"fp8": True})).sampling.fp8
+    assert validate_config(tiny_raw(cluster={"gpu": "a100-80g", "gpus_per_node": 4},
+                                    sampling={"kv_cache_dtype": "fp8"})).sampling.kv_cache_dtype == "fp8"
 
 
 def test_missing_models_section_is_named() -> None:
