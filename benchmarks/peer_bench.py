@@ -25,6 +25,10 @@ here, `bash ../shared/gpu/prepare-wheels.sh trl==1.16.0 datasets==5.2.0 dill mul
 fills the git-ignored .whl/; benchmarks/run_gpu.sh installs it there (`ONLY=peer`). Without an
 importable TRL the table says so and still measures ours.
 
+`--also LABEL:KEY=VALUE[,...]` adds a row of ours with more overrides, run after the first in the
+same call (its run.dir realray-LABEL-run/), e.g. `--also fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8`
+for FP8 rollouts beside the bf16 row and TRL.
+
 Our side runs what a user runs: the plan's own micro-batching and no allocator setting.
 `--micro-batches N` forces N actor micro-batches instead, and `--expandable-segments` sets
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the bench's settings before 2026-12-02).
@@ -45,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from benchmarks.peer_setup import build_inputs
+from benchmarks.peer_setup import PeerInputs, build_inputs
 from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
 from benchmarks.run_dirs import fresh_run_dir
 
@@ -104,13 +108,14 @@ def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: 
     return path
 
 
-def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micro_batches: int) -> SideResult:
+def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micro_batches: int,
+             name: str = "realray GRPO") -> SideResult:
     """Our GRPO through the driver: every iteration after the first is timed."""
     from app.config import load_config
     from app.run.driver import Driver
     from app.run.runtime import preflight
 
-    result = SideResult("realray GRPO")
+    result = SideResult(name)
     try:
         cfg = load_config(config, overrides)
         inputs = preflight(cfg)
@@ -197,12 +202,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a dotted override of our config, e.g. sampling.compile=true (repeatable)")
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE...]",
+                        help="one more row of ours, with these overrides on top of --set (repeatable), e.g. "
+                        "fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8")
     args = parser.parse_args(argv)
+    try:
+        args.also = [parse_also(text) for text in args.also]
+    except ValueError as exc:
+        parser.error(str(exc))
     for name in ("iterations", "trl_steps"):
         value = getattr(args, name)
         if value is not None and value < 2:
             parser.error(f"--{name.replace('_', '-')}={value}: must be >= 2 (the first step is a warm-up)")
     return args
+
+
+def parse_also(text: str) -> tuple[str, list[str]]:
+    """'fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8' -> ('fp8', ['sampling.fp8=true', ...])."""
+    label, _, rest = text.partition(":")
+    overrides = [o.strip() for o in rest.split(",") if o.strip()]
+    if not label.strip() or not label.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--also {text!r}: the label before ':' must be letters, digits, '-' or '_'")
+    if not overrides or any("=" not in o for o in overrides):
+        raise ValueError(f"--also {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...] after the label")
+    return label.strip(), overrides
+
+
+def run_our_rows(args: argparse.Namespace, inputs: PeerInputs, work: Work, out: Path, start: float) -> list[SideResult]:
+    """Ours with --set (retried uncompiled if the compiled run fails), then one row per --also."""
+    iterations = args.iterations or (2 if args.tiny else 4)
+    rows: list[SideResult] = []
+    for label, extra in [("", []), *args.also]:
+        overrides = [*args.overrides, *extra]
+        run_dir = out / (f"realray-{label}-run" if label else "realray-run")
+        name = f"realray GRPO ({label})" if label else "realray GRPO"
+        config = our_config(inputs.model_dir, inputs.prompts, work, args.tiny, run_dir, iterations, overrides)
+        ours = run_ours(config, overrides, run_dir, work, args.micro_batches, name)
+        if ours.error and not args.tiny and "sampling.compile=false" not in overrides:
+            # A failure to compile must not cost the comparison: once more, uncompiled.
+            print(f"{name} failed ({ours.error}); again with sampling.compile=false", flush=True)
+            first = ours.error
+            ours = run_ours(config, [*overrides, "sampling.compile=false"], run_dir.with_name(run_dir.name + "-b"),
+                            work, args.micro_batches, name)
+            ours.settings += f"; the compiled run failed first: {first}"
+        rows.append(ours)
+        # Printed now too: if a later side is cut short, this one is still on record.
+        print(f"{name} done at {time.perf_counter() - start:.1f} s\n{table(rows, work, 'ours alone')}", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,22 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = build_inputs((args.inputs or base / ("inputs-tiny" if tiny else "inputs")).resolve(), tiny,
                           n_prompts=4 * work.prompts, prompt_len=work.prompt_len)
     print(f"inputs built in {time.perf_counter() - start:.1f} s: {inputs.model_dir}", flush=True)
-    iterations = args.iterations or (2 if tiny else 4)
-    results: list[SideResult] = []
-    if not args.skip_ours:
-        config = our_config(inputs.model_dir, inputs.prompts, work, tiny, out / "realray-run", iterations,
-                            args.overrides)
-        ours = run_ours(config, args.overrides, out / "realray-run", work, args.micro_batches)
-        if ours.error and not tiny and "sampling.compile=false" not in args.overrides:
-            # A failure to compile must not cost the comparison: once more, uncompiled.
-            print(f"ours failed ({ours.error}); again with sampling.compile=false", flush=True)
-            first = ours.error
-            ours = run_ours(config, [*args.overrides, "sampling.compile=false"], out / "realray-run-b", work,
-                            args.micro_batches)
-            ours.settings += f"; the compiled run failed first: {first}"
-        results.append(ours)
-        # Printed now too: if TRL's side is cut short, ours is still on record.
-        print(f"ours done at {time.perf_counter() - start:.1f} s\n{table(results, work, 'ours alone')}", flush=True)
+    results = [] if args.skip_ours else run_our_rows(args, inputs, work, out, start)
     if not args.skip_trl:
         settings = TrlSettings(micro_batch=args.trl_micro_batch or (8 if tiny else 32), dtype=args.trl_dtype,
                                gradient_checkpointing=args.trl_gradient_checkpointing,
@@ -249,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "peer_bench.json").write_text(json.dumps(summary, indent=1, default=str))
     print(text)
     print(f"results: {out / 'peer_bench.txt'}, {out / 'peer_bench.json'}")
-    ours = next((r for r in results if r.name.startswith("realray")), None)
-    return 1 if ours is not None and ours.error else 0
+    return 1 if any(r.error for r in results if r.name.startswith("realray")) else 0
 
 
 if __name__ == "__main__":

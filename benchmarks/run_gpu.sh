@@ -39,8 +39,9 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *gputests* ]] && run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
 # FP8 rollouts (issue 27, thirteenth step; one H200, ~4 minutes): their gpu tests (the _scaled_mm
 # product, the Triton kernels on an e4m3 cache, generation under graph and compile), then the peer
-# bench's decode in bf16 and with each setting. Follow with ONLY=peer and PEER_ARGS="--set
-# sampling.fp8=true --set sampling.kv_cache_dtype=fp8" for the whole step.
+# bench's decode in bf16 and with each setting. For the whole step, ONLY=peer with
+# PEER_ARGS="--also fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8" adds an FP8 row of ours
+# beside the bf16 one and TRL's (one more run of ours, ~1 minute).
 [[ $only == *fp8* ]] && LIMIT=${FP8_TEST_LIMIT:-150} run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/actors/generation/test_fp8_weights.py tests/actors/kernels/test_decode_attention.py
 [[ $only == *fp8* ]] && LIMIT=${FP8_LIMIT:-240} run generate_fp8 python3 benchmarks/generate_bench.py --grpo-step \

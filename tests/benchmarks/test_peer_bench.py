@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peer_bench import main
+from benchmarks.peer_bench import main, parse_also
 from benchmarks.peer_setup import build_inputs
 from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
@@ -65,3 +65,26 @@ def test_tiny_mode_runs_twice_with_the_same_out(ray_session: None, tmp_path: Pat
     assert (tmp_path / "run-001" / "realray-run" / "metrics.jsonl").is_file()
     assert (tmp_path / "run-002" / "realray-run" / "metrics.jsonl").is_file()
     assert (tmp_path / "latest").resolve() == (tmp_path / "run-002").resolve()
+
+
+@pytest.mark.unit
+def test_also_rows_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_also("fp8:sampling.fp8=true, sampling.kv_cache_dtype=fp8") == (
+        "fp8", ["sampling.fp8=true", "sampling.kv_cache_dtype=fp8"])
+    for bad in ("sampling.fp8=true", "fp8:", "fp8:sampling.fp8", "a b:x=1"):
+        with pytest.raises(SystemExit):
+            main(["--tiny", "--also", bad])
+        assert "--also" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_an_also_row_runs_ours_again_with_its_overrides(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
+    assert main(["--tiny", "--out", str(tmp_path), "--skip-trl", "--also", "fp8:sampling.fp8=true"]) == 0
+    summary = json.loads((tmp_path / "run-001" / "peer_bench.json").read_text())
+    bf16, fp8 = summary["results"]
+    assert (bf16["name"], fp8["name"]) == ("realray GRPO", "realray GRPO (fp8)")
+    assert bf16["error"] is None and fp8["error"] is None and len(fp8["step_s"]) == 1
+    assert "fp8=False" in bf16["settings"] and "fp8=True" in fp8["settings"]
+    assert "actor/rollout_is_mean" in fp8["settings"]  # the importance weights FP8 turned on
+    assert (tmp_path / "run-001" / "realray-fp8-run" / "metrics.jsonl").is_file()
+    assert "realray GRPO (fp8)" in (tmp_path / "run-001" / "peer_bench.txt").read_text()
