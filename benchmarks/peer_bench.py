@@ -8,7 +8,9 @@ offline by benchmarks/peer_setup.py) and the same prompt file, and score with th
 the decoded text (benchmarks/peer_reward.py). Ours runs through `python -m app train`'s
 machinery (the Ray driver), TRL through GRPOTrainer with HF generation (benchmarks/peer_trl.py).
 The table gives seconds per step and completion tokens per second of the timed steps (a warm-up
-step each is left out: ours 1 + 3 iterations, TRL 1 + 2 steps), the ratio, and our calls' times.
+step each is left out: ours 1 + 3 iterations, TRL 1 + 2 steps), the ratio, and our calls' times;
+on the GPU also the step's floor at the measured ceilings (benchmarks/peer_floor.py: every row
+whole, and each prompt once) and our step against both.
 
     python3 benchmarks/peer_bench.py              # GPU, about 6 minutes; writes out/peer/run-NNN/ (or --out)
     python3 benchmarks/peer_bench.py --tiny       # seconds on CPU: a tiny model, 4 prompts x 4, 16 + 16 tokens
@@ -49,9 +51,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
+from benchmarks.peer_floor import floor_lines
 from benchmarks.peer_setup import PeerInputs, build_inputs
 from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
 from benchmarks.run_dirs import fresh_run_dir
+from planning.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,10 @@ def fmt(x: float, digits: int = 2) -> str:
     return "-" if not math.isfinite(x) else f"{x:,.{digits}f}"
 
 
-def table(results: list[SideResult], work: Work, model: str) -> str:
+def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSpec | None = None) -> str:
     """One table: per system the timed steps, s/step, completion tokens per step and per second,
-    the ratio to TRL; then our calls' times and each side's settings."""
+    the ratio to TRL; then our calls' times, the step's hardware floor (with `floor_spec`, the
+    model on the GPU: benchmarks/peer_floor.py) and each side's settings."""
     base = next((r for r in results if r.name.startswith("TRL") and not r.error), None)
     header = (f"{'system':<28}{'timed steps':>12}{'s/step':>10}{'compl. tok/step':>17}{'compl. tok/s':>14}"
               f"{'vs TRL':>9}")
@@ -179,6 +184,9 @@ def table(results: list[SideResult], work: Work, model: str) -> str:
             lines.append(f"{r.name} garbage collection / compiling inside the calls (s): "
                          + " | ".join(f"{name} {v:.3f} / {r.compile_s.get(name, 0.0):.3f}"
                                       for name, v in r.gc_s.items()))
+    if floor_spec is not None:
+        ours = {r.name: r.seconds_per_step for r in results if r.name.startswith("realray") and not r.error}
+        lines += floor_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, ours)
     lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
     return "\n".join(lines)
 
@@ -273,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                                   out, on_gpu=not tiny))
         print(f"TRL done at {time.perf_counter() - start:.1f} s", flush=True)
     model = "a tiny Llama (CPU)" if tiny else "Llama-3.2-1B shape, random weights, bf16, one GPU"
-    text = table(results, work, model)
+    text = table(results, work, model, None if tiny else inputs.spec)
     (out / "peer_bench.txt").write_text(text + "\n")
     summary = {"work": asdict(work), "results": [{**asdict(r), "seconds_per_step": r.seconds_per_step,
                                                   "tokens_per_s": r.tokens_per_s} for r in results]}

@@ -1,0 +1,52 @@
+"""benchmarks/peer_floor.py: the peer bench's step floor at the measured ceilings, against the
+figures worked out by hand in docs/benchmarks.md (issue 27, second and seventh steps), and the
+peer bench's table printing it."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.peer_bench import GPU_WORK, table
+from benchmarks.peer_floor import HBM_BYTES_PER_S, PEAK_FLOPS, matmul_params, step_floor
+from benchmarks.peer_trl import SideResult
+from planning.models import model_preset
+
+pytestmark = pytest.mark.unit
+
+SPEC = model_preset("llama3.2-1b")
+
+
+def test_llama_1b_floor_matches_the_hand_worked_figures() -> None:
+    P = matmul_params(SPEC)
+    assert P == pytest.approx(1.236e9, rel=1e-3)  # the tied head counts, the lookup does not
+    whole = step_floor(SPEC, 64, 8, 128, 512, prompt_once=False)
+    # 511 decode steps of 512 rows: projections compute-bound (2 x 512 x P at the peak, 1.61 ms)
+    # plus 6.44 GB of K/V on average (1.50 ms): 1.59 s.
+    per_step = 2 * 512 * P / PEAK_FLOPS + 512 * (128 + 256) * 32768 / HBM_BYTES_PER_S
+    assert whole.decode_s == pytest.approx(511 * per_step, rel=1e-3)
+    assert whole.decode_s == pytest.approx(1.59, abs=0.01)
+    # Training: 6 P per token over 512 x 640 tokens is 3.09 s; causal attention adds ~2%.
+    matmul_train = 6 * P * 512 * 640 / PEAK_FLOPS
+    assert matmul_train == pytest.approx(3.09, abs=0.01)
+    assert 1.0 < whole.training_s / matmul_train < 1.05
+    once = step_floor(SPEC, 64, 8, 128, 512, prompt_once=True)
+    assert 6 * P * 270_336 / PEAK_FLOPS < once.training_s < whole.training_s  # 64 x 128 + 512 x 512 tokens
+    assert once.prefill_s == pytest.approx(whole.prefill_s / 8, rel=1e-6)  # one prompt copy of a group's 8
+    assert once.decode_s < whole.decode_s and once.total_s < whole.total_s
+
+
+def test_a_small_batch_decode_is_bound_by_streaming_the_weights() -> None:
+    floor = step_floor(SPEC, 1, 1, 16, 3, prompt_once=False)
+    weights_s = 2 * matmul_params(SPEC) / HBM_BYTES_PER_S
+    kv_s = sum((16 + i) * 32768 for i in (1, 2)) / HBM_BYTES_PER_S
+    assert floor.decode_s == pytest.approx(2 * weights_s + kv_s)
+
+
+def test_the_table_prints_both_floors_and_our_step_against_them() -> None:
+    ours = SideResult("realray GRPO", step_s=[6.5, 6.5], tokens=[262_000, 262_000])
+    text = table([ours], GPU_WORK, "Llama-3.2-1B shape", SPEC)
+    whole = step_floor(SPEC, 64, 8, 128, 512, prompt_once=False).total_s
+    once = step_floor(SPEC, 64, 8, 128, 512, prompt_once=True).total_s
+    assert f"every row whole {whole:.2f} s" in text and f"each prompt once {once:.2f} s" in text
+    assert f"realray GRPO: step 6.50 s = {6.5 / whole:.2f}x / {6.5 / once:.2f}x the two floors" in text
+    assert "floor at" not in table([ours], GPU_WORK, "tiny")  # no spec (CPU): no floor
