@@ -366,8 +366,10 @@ class Transformer(nn.Module):
             hidden = self.model.embed_tokens(x)
         else:
             hidden = x
-        # Decode steps take positions from the cache (one token per sequence, at its length).
-        positions = kv_cache.lengths if kv_cache is not None and kv_cache.prefilled else batch.positions
+        # Decode steps take positions from the cache (one token per sequence, at its length);
+        # decided before the layers, whose prefill's `advance` below marks the cache prefilled.
+        decoding = kv_cache is not None and kv_cache.prefilled
+        positions = kv_cache.lengths if decoding else batch.positions
         # One cos/sin [T, head_dim] per forward, shared by every layer.
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq(hidden.device), hidden.dtype)
         for layer in self.model.layers.values():
@@ -385,7 +387,8 @@ class Transformer(nn.Module):
         hidden = self.model.norm(hidden)
         if self.critic:
             return self.score(hidden).squeeze(-1).float()
-        logits = kv_cache.decode_head(hidden) if kv_cache is not None and kv_cache.prefilled else None
+        # A decode step may take the head from the cache's FP8 copies; a prefill keeps its own.
+        logits = kv_cache.decode_head(hidden) if decoding else None
         if logits is not None:
             return logits
         if self.lm_head is not None:

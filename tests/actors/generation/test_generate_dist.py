@@ -92,8 +92,10 @@ def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, st
                 results[f"{family}/{layout_text}/{micro_batches}/{name}"] = summary(out)
                 if layout.tp > 1 and name == "sampled":
                     results[f"{family}/train-side"] = train_side_logprobs(model, out, groups.tp_group)
-            if layout.tp > 1:  # FP8 decode weights quantized per shard (actors.generation.fp8_weights)
-                results[f"{family}/fp8"] = summary(generate(model, prompts, fp8_config(eos), groups))
+            # FP8 decode weights (actors.generation.fp8_weights): under tp each shard quantizes its
+            # own rows; under pp each stage its own layers, the last one the head.
+            fp8 = GenerationConfig(**{**fp8_config(eos).__dict__, "pp_micro_batches": micro_batches})
+            results[f"{family}/fp8/{layout_text}/{micro_batches}"] = summary(generate(model, prompts, fp8, groups))
             destroy_parallel_groups(groups)
     return results
 
@@ -171,10 +173,12 @@ def test_generation_under_tp2_and_pp2_matches_transformers_and_serial(tmp_path: 
             sampled = torch.tensor(references[family]["serial"]["sampled"]["logprobs"])
             assert torch.allclose(train_side, sampled, atol=1e-4), family
             # FP8 under tp2: each shard quantizes its own rows and activations, so it is close
-            # to, not equal to, the serial FP8 run (and to tp2's bf16 run).
-            fp8 = rank_result.pop(f"{family}/fp8")
-            assert_close_decode(fp8, references[family]["fp8"])
-            assert_close_decode(fp8, rank_result[f"{family}/tp2/None/greedy"])
+            # to, not equal to, the serial FP8 run (and to tp2's bf16 run). Under pp the stages
+            # quantize what the serial run does, micro-batched or not.
+            for layout_text, micro_batches in LAYOUTS:
+                fp8 = rank_result.pop(f"{family}/fp8/{layout_text}/{micro_batches}")
+                assert_close_decode(fp8, references[family]["fp8"])
+                assert_close_decode(fp8, rank_result[f"{family}/{layout_text}/{micro_batches}/greedy"])
     for key, result in per_rank[0].items():
         family, _, _, name = key.split("/")
         ref = references[family]
