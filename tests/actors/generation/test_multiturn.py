@@ -135,6 +135,28 @@ def test_one_turn_equals_single_turn_generation() -> None:
     assert torch.allclose(torch.cat(multi.logprobs), single.logprobs, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [{"fp8_weights": True}, {"fp8_weights": True, "kv_cache_dtype": "fp8"}])
+def test_fp8_turns_equal_single_turn_fp8_and_stay_close_to_full_precision(options: dict) -> None:
+    """FP8 decode weights (and cache) in the turn loop: one turn samples what `generate` samples
+    with the same settings; over three turns, with observation prefills between decode steps,
+    the sampled logprobs stay within FP8's few percent of a logit of a fresh bf16 forward."""
+    model = ours_from_hf(build_hf("Qwen2", seed=2))
+    prompts = random_prompts(BASE["vocab_size"], [4, 7, 3], seed=9)
+    config = GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.0), seed=5, eos_token_id=EOS,
+                              **options)
+    single = generate(model, prompts, config)
+    multi = generate_turns(model, prompts, config, budget=6, source=ScriptedTurns(prompts, turns=[1, 1, 1]))
+    assert [r.tolist() for r in multi.responses] == [r.tolist() for r in single.responses()]
+    assert torch.allclose(torch.cat(multi.logprobs), single.logprobs, atol=1e-6)
+    turns = generate_turns(model, prompts, config, budget=40, source=ScriptedTurns(prompts, turns=[3, 2, 3]))
+    assert turns.turns == [3, 2, 3]
+    gaps = torch.cat([(lp - fresh)[mask.bool()].abs() for lp, fresh, mask in
+                      zip(turns.logprobs, full_logprobs(model, turns), turns.response_masks)])
+    # The bounds of the GPU test (test_fp8_weights.py): an e4m3 cache's error grows with the
+    # trajectory; a cache extended wrongly would be off by whole logits.
+    assert 0 < gaps.max() < 0.6 and gaps.mean() < 0.15, gaps
+
+
 def test_budget_ends_trajectories_and_observations_that_do_not_fit() -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=3))
     prompts = random_prompts(BASE["vocab_size"], [3, 3], seed=1)
