@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.engine import reduce_from_tp_region
+from actors.kernels import e4m3_native
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -39,7 +40,7 @@ FP8_ALIGN = 16
 
 def fp8_matmul_supported(device: torch.device) -> bool:
     """Whether `device` multiplies e4m3 operands in hardware (CUDA compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return e4m3_native(device)
 
 
 def check_fp8_device(device: torch.device) -> None:

@@ -55,6 +55,7 @@ from actors.kernels import (
     kernel_supports_head_dim,
     prefix_partials,
     triton_on,
+    triton_reads_e4m3,
     triton_runs,
 )
 
@@ -64,15 +65,22 @@ DECODE_KERNELS = ("auto", "triton", "sdpa", "matmul")
 MAX_PREFIX_TILE = 64
 
 
-def resolve_decode_kernel(kernel: str, device: torch.device | str, head_dims: Iterable[int] = ()) -> str:
-    """The decode attention kernel to use on `device` for layers of `head_dims`: "auto" is
-    "triton" on CUDA with triton when it supports every head_dim, else "sdpa"; an explicit
+def resolve_decode_kernel(kernel: str, device: torch.device | str, head_dims: Iterable[int] = (),
+                          cache_dtype: torch.dtype | None = None) -> str:
+    """The decode attention kernel to use on `device` for layers of `head_dims` and a cache of
+    `cache_dtype`: "auto" is "triton" on CUDA with triton when it supports every head_dim (and,
+    for an e4m3 cache, the GPU has e4m3: compute capability >= 8.9), else "sdpa"; an explicit
     "triton" must be runnable there (CUDA, or CPU under the interpreter) and support them."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode attention kernel {kernel!r}: unknown; allowed: {', '.join(DECODE_KERNELS)}")
     unsupported = sorted({d for d in head_dims if not kernel_supports_head_dim(d)})
+    no_e4m3 = cache_dtype == torch.float8_e4m3fn and not triton_reads_e4m3(device)
     if kernel == "auto":
-        return "triton" if triton_on(device) and not unsupported else "sdpa"
+        return "triton" if triton_on(device) and not unsupported and not no_e4m3 else "sdpa"
+    if kernel == "triton" and no_e4m3:
+        raise ValueError(f"decode attention kernel 'triton' cannot read an e4m3 KV cache on {torch.device(device)}: "
+                         "Triton has no e4m3 below compute capability 8.9; use 'auto' or 'sdpa' (which widen the "
+                         "cache with torch), or kv_cache_dtype 'auto'")
     if kernel == "triton" and not triton_runs(device):
         raise ValueError(f"decode attention kernel 'triton' cannot run on {torch.device(device)}: needs CUDA "
                          f"with triton installed (or TRITON_INTERPRET=1 on CPU); use 'auto' or 'sdpa'")
@@ -134,7 +142,7 @@ class HeadMajorKVCache(KVCache):
 
     def __init__(self, layers: dict[int, CacheLayerShape], n_seqs: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, kernel: str = "auto") -> None:
-        kernel = resolve_decode_kernel(kernel, device, (shape.head_dim for shape in layers.values()))
+        kernel = resolve_decode_kernel(kernel, device, (shape.head_dim for shape in layers.values()), dtype)
         super().__init__({}, n_seqs, max_len, dtype, device)  # lengths and flags; buffers below
         self.kernel = kernel
         for idx, shape in layers.items():

@@ -25,11 +25,11 @@ from actors.kernels.segment_copy import (
     resolve_fields,
     source_deltas,
 )
-from actors.kernels.switch import triton_on, triton_runs
+from actors.kernels.switch import e4m3_native, triton_on, triton_reads_e4m3, triton_runs
 
 __all__ = [
     # switch.py
-    "triton_on", "triton_runs",
+    "e4m3_native", "triton_on", "triton_reads_e4m3", "triton_runs",
     # decode_attention.py
     "default_splits", "gqa_decode_attention", "kernel_supports_head_dim",
     # fused_logprobs.py

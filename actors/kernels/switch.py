@@ -38,4 +38,24 @@ def triton_runs(device: torch.device | str) -> bool:
     return (kind == "cuda" and triton_installed()) or (kind == "cpu" and triton_interpreting())
 
 
-__all__ = ["triton_installed", "triton_interpreting", "triton_on", "triton_runs"]
+# e4m3 (float8_e4m3fn, Triton's fp8e4nv) in hardware: compute capability 8.9 (Ada) and later. Below
+# it Triton refuses the type in any kernel ("type fp8e4nv not supported in this architecture") and
+# torch._scaled_mm has no FP8 path; torch's own casts still work there (in software).
+E4M3_MIN_CAPABILITY = (8, 9)
+
+
+def e4m3_native(device: torch.device | str) -> bool:
+    """Whether `device` handles e4m3 natively: CUDA of compute capability >= 8.9. On the CPU
+    torch (and Triton's interpreter) emulate it; other CUDA GPUs lack it."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= E4M3_MIN_CAPABILITY
+
+
+def triton_reads_e4m3(device: torch.device | str) -> bool:
+    """Whether a Triton kernel may load e4m3 tensors on `device`: the interpreter (CPU) can, CUDA
+    only from compute capability 8.9."""
+    return torch.device(device).type != "cuda" or e4m3_native(device)
+
+
+__all__ = ["E4M3_MIN_CAPABILITY", "e4m3_native", "triton_installed", "triton_interpreting", "triton_on",
+           "triton_reads_e4m3", "triton_runs"]

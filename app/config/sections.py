@@ -111,7 +111,8 @@ class SamplingConfig(TrainSection):
     (slower, same numbers), which is how the tests run it.
     kv_cache_dtype: auto (the actor's dtype) or fp8 (e4m3 without a scale: half the KV cache's
     memory and of decode attention's reads; K/V rounded to 3 mantissa bits). Like fp8, it makes
-    ppo.rollout_is 'auto' turn importance weights on.
+    ppo.rollout_is 'auto' turn importance weights on. On GPUs below compute capability 8.9 (A100)
+    Triton has no e4m3, so the cache is read by the slower SDPA decode path there.
     """
 
     temperature: float = Field(1.0, ge=0.0)

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from actors.engine.model import Transformer
 from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel
+from actors.kernels.switch import E4M3_MIN_CAPABILITY
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from actors.kernels.decode_attention import (
@@ -172,6 +173,14 @@ def test_kernel_choice() -> None:
         resolve_decode_kernel("triton", DEVICE, head_dims=[64, 8])
     with pytest.raises(ValueError, match="allowed: auto, triton, sdpa, matmul"):
         resolve_decode_kernel("flash", DEVICE)
+    # An e4m3 cache: Triton reads it under the interpreter and on CUDA from compute capability 8.9
+    # (below, Triton refuses the type and "auto" takes SDPA; the H200's run checks the CUDA side).
+    e4m3 = torch.float8_e4m3fn
+    assert resolve_decode_kernel("auto", "cpu", [64], e4m3) == "sdpa"
+    assert resolve_decode_kernel("triton", DEVICE, [64], e4m3) == "triton"
+    if DEVICE == "cuda":
+        native = torch.cuda.get_device_capability() >= E4M3_MIN_CAPABILITY
+        assert resolve_decode_kernel("auto", DEVICE, [64], e4m3) == ("triton" if native else "sdpa")
 
 
 def tiny_model(sliding_window: int | None = None) -> Transformer:
