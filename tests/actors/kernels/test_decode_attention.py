@@ -14,7 +14,6 @@ pytest.importorskip("triton")
 from actors.engine.model import Transformer
 from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel
-from actors.kernels.switch import E4M3_MIN_CAPABILITY
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from actors.kernels.decode_attention import (
@@ -22,7 +21,7 @@ from actors.kernels.decode_attention import (
     gqa_decode_attention,
     gqa_decode_attention_reference,
 )
-from actors.kernels.switch import triton_runs
+from actors.kernels.switch import E4M3_MIN_CAPABILITY, triton_runs
 from planning.models import ModelSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
