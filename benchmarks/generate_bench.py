@@ -36,6 +36,7 @@ from actors.engine.model import Transformer
 from actors.engine.parallelize import build_model_shard
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port
 from actors.generation.decoding import GenerationConfig
+from actors.generation.fp8_weights import Fp8DecodeWeights, aligned, head_weight
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
@@ -54,10 +55,15 @@ class BenchResult:
     decode_s: float
     decode_tokens_per_s: float
     roofline_tokens_per_s: float
+    own_roofline_tokens_per_s: float  # at the bytes the mode reads (FP8 weights / cache: fewer)
 
     @property
     def ratio(self) -> float:
         return self.decode_tokens_per_s / self.roofline_tokens_per_s
+
+    @property
+    def own_ratio(self) -> float:
+        return self.decode_tokens_per_s / self.own_roofline_tokens_per_s
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,11 +99,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def roofline_tokens_per_s(model: Transformer, spec: ModelSpec, args: argparse.Namespace) -> float:
-    """Best decode rate of one GPU's shard: n_prompts / ((weights + mean valid KV) / bandwidth)."""
+def roofline_tokens_per_s(model: Transformer, spec: ModelSpec, args: argparse.Namespace,
+                          config: GenerationConfig | None = None) -> float:
+    """Best decode rate of one GPU's shard: n_prompts / ((weights + mean valid KV) / bandwidth),
+    at the model's dtype (the issue's roofline). With `config`, at the bytes that mode reads
+    instead: one byte per weight of the FP8 MLPs and head (fp8_weights), per cached value (an
+    e4m3 cache)."""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     itemsize = next(model.parameters()).element_size()
-    kv_per_token = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim * itemsize
+    if config is not None and config.fp8_weights:  # the copies (with their scales) read instead
+        layers = model.model.layers.values()
+        copied = sum(part.weight.numel() for layer in layers if aligned(layer.mlp.down_proj.weight)
+                     for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+        head = head_weight(model)
+        copied += head.numel() if head is not None else 0
+        weight_bytes += Fp8DecodeWeights.nbytes(model) - copied * itemsize
+    kv_itemsize = 1 if config is not None and config.kv_cache_dtype == "fp8" else itemsize
+    kv_per_token = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim * kv_itemsize
                        for layer in model.model.layers.values())
     mean_len = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + args.prompts * mean_len * kv_per_token
@@ -200,7 +218,7 @@ def measure_mode(model: Transformer, prompts: list[torch.Tensor], mode: str, arg
     full_s = timed_generate(model, prompts, base, groups)
     decode_s = max(full_s - prefill_s, 1e-9)
     rate = args.prompts * (args.new_tokens - 1) / decode_s
-    return BenchResult(mode, prefill_s, decode_s, rate, roofline)
+    return BenchResult(mode, prefill_s, decode_s, rate, roofline, roofline_tokens_per_s(model, model.spec, args, base))
 
 
 def profile_call(model: Transformer, prompts: list[torch.Tensor], groups: ParallelGroups | None,
@@ -229,10 +247,13 @@ def print_table(args: argparse.Namespace, results: list[BenchResult]) -> None:
     print(f"\n{args.preset} tp={args.tp} on {where}: {args.prompts} prompts x {args.prompt_len} tokens "
           f"({args.prompts // args.group} distinct), "
           f"{args.new_tokens} new tokens {how}, bandwidth {args.bandwidth:.2e} B/s per GPU")
-    print(f"{'mode':<22} {'prefill s':>10} {'decode s':>10} {'decode tok/s':>14} {'roofline tok/s':>15} {'ratio':>7}")
+    print("ratio: against the roofline of the model's dtype (the issue's); own: against the bytes the mode "
+          "reads (FP8 weights and cache read fewer)")
+    print(f"{'mode':<26} {'prefill s':>10} {'decode s':>10} {'decode tok/s':>14} {'roofline tok/s':>15} {'ratio':>7}"
+          f" {'own':>7}")
     for r in results:
-        print(f"{r.mode:<22} {r.prefill_s:>10.3f} {r.decode_s:>10.3f} {r.decode_tokens_per_s:>14,.0f} "
-              f"{r.roofline_tokens_per_s:>15,.0f} {r.ratio:>7.1%}")
+        print(f"{r.mode:<26} {r.prefill_s:>10.3f} {r.decode_s:>10.3f} {r.decode_tokens_per_s:>14,.0f} "
+              f"{r.roofline_tokens_per_s:>15,.0f} {r.ratio:>7.1%} {r.own_ratio:>7.1%}")
 
 
 def _spawned(rank: int, args: argparse.Namespace, port: int) -> None:
