@@ -43,7 +43,7 @@ def test_fp8_modes_have_a_roofline_at_their_own_bytes() -> None:
 
 @pytest.mark.unit
 def test_cpu_tiny_run_prints_both_ratios() -> None:
-    out = subprocess.run([sys.executable, "benchmarks/generate_bench.py", "--cpu", "--tiny"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "benchmarks/generate_bench.py", "--cpu", "--tiny"], check=False, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
