@@ -76,8 +76,9 @@ def observation_parts(geo: CallGeometry, layout: Layout, links: Links, seqs: int
                       kv_itemsize: float = 2.0) -> dict[str, float]:
     """Seconds of one round of `seqs` sequences spent on observations and environments:
     `obs_prefill_s` (turns prefill passes, absent without observation tokens) and `env_wait_s`.
-    The prefill runs the bf16 weights even in an FP8 decode; `kv_itemsize` is the bytes per
-    cached value the history is read at (1 for an FP8 cache)."""
+    The prefill runs the bf16 weights even in an FP8 decode; `kv_itemsize` is the bytes moved
+    per cached value of the history read (2 in place from a bf16 cache; an FP8 cache is gathered
+    and widened first: planning.cost_passes.kv_read_bytes)."""
     parts = {"env_wait_s": traj.turns * traj.env_step_s}
     if traj.obs_tokens <= 0:
         return parts

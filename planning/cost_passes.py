@@ -28,8 +28,28 @@ from planning.cost_terms import (
     sampling_s,
 )
 from planning.dataflow import MFC
+from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.offload import optimizer_parts
+
+# HBM bytes moved per cached value an attention reads from an e4m3 (FP8) KV cache. The Triton
+# decode kernel loads it as it is, on GPUs with e4m3 (HardwareSpec.fp8_matmul: compute capability
+# 8.9 on). Elsewhere decode runs SDPA on a widened copy: read 1, write 2, read 2. A multi-turn
+# observation prefill always gathers the history token-major first (its in-place FlashAttention
+# read takes the queries' dtype only): read 1, write 1, then widen and attend as above.
+E4M3_TRITON_READ_BYTES = 1.0
+E4M3_WIDENED_READ_BYTES = 5.0
+E4M3_GATHERED_READ_BYTES = 7.0
+
+
+def kv_read_bytes(fp8_cache: bool, hw: HardwareSpec, observation: bool = False) -> float:
+    """Bytes moved per cached value read by a decode step (or, `observation`, by a multi-turn
+    observation prefill, which reads a bf16 cache in place): 2 for a bf16 cache."""
+    if not fp8_cache:
+        return 2.0
+    if observation:
+        return E4M3_GATHERED_READ_BYTES
+    return E4M3_TRITON_READ_BYTES if hw.fp8_matmul else E4M3_WIDENED_READ_BYTES
 
 
 def pass_time(
@@ -139,8 +159,9 @@ def generate_parts(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, se
     # Rows of one prompt read its cached K/V from one copy (the Triton decode attention's shared
     # prefix, pp = 1): HBM serves a group's prompt slots once, L2 the rest.
     shared = batch.prompt_len * (1 - 1 / batch.prompt_group) if layout.pp == 1 else 0.0
-    kv_itemsize = 1.0 if mfc.fp8_kv_cache else 2.0
-    per_mb_stage = decode_stage_s(geo, links, mb, traj.ctx - shared, mfc.fp8_decode, kv_itemsize)
+    kv_itemsize = 1.0 if mfc.fp8_kv_cache else 2.0  # held
+    per_mb_stage = decode_stage_s(geo, links, mb, traj.ctx - shared, mfc.fp8_decode,
+                                  kv_read_bytes(mfc.fp8_kv_cache, links.hw))
     tp_s = geo.stage_layers * 2 * allreduce_s(mb * spec.hidden_size * 2, layout.tp, links.tp_bw, links.lat)
     slots = max(n_mb, layout.pp)  # a step takes max(n_mb, pp) stage slots in steady state
     steps = traj.decode_steps
@@ -155,7 +176,8 @@ def generate_parts(mfc: MFC, geo: CallGeometry, layout: Layout, links: Links, se
         parts["pp_p2p_s"] = parts.get("pp_p2p_s", 0.0) + steps * slots * send
         parts["pp_bubble_s"] = parts.get("pp_bubble_s", 0.0) + (layout.pp - 1) * per_mb_stage  # pipeline fill
     if mfc.multi_turn is not None:
-        parts.update(observation_parts(geo, layout, links, per_round, traj, kv_itemsize))
+        parts.update(observation_parts(geo, layout, links, per_round, traj,
+                                       kv_read_bytes(mfc.fp8_kv_cache, links.hw, observation=True)))
     parts = {k: rounds * v for k, v in parts.items()}
     parts["weights_bytes"] = weights
     if mfc.fp8_decode:  # the call's FP8 copies (one byte per weight; the row scales are noise)

@@ -355,7 +355,7 @@ def decode_stage_s(geo: CallGeometry, links: Links, rows: float, ctx: float, fp8
     size amortises. The two do not overlap (one stream), so their times add. `fp8`: the MLPs and
     head stream one byte per weight and multiply FP8_DECODE_SPEEDUP times faster, on hardware with
     FP8 matmuls (`HardwareSpec.fp8_matmul`; the CPU's emulation is priced as bf16); `kv_itemsize`:
-    bytes per cached value (1 for an FP8 cache)."""
+    HBM bytes moved per cached value read (2 for bf16; an FP8 cache: cost_passes.kv_read_bytes)."""
     flops = rows * geo.stage_flops_per_token(0.0)
     weight_bytes = 2.0 * geo.stage_params
     if fp8 and links.hw.fp8_matmul:

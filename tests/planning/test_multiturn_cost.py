@@ -13,6 +13,7 @@ from planning.algorithm_graphs import grpo_graph, ppo_graph, remax_graph
 from planning.calibrate import CallMeasurement, calibrate, calibrated_problem, with_measured_rollout
 from planning.cost import PlanningProblem, call_cost, call_cost_levels, rlhf_problem
 from planning.cost_multiturn import MULTI_TURN_PP_REASON, observation_parts, trajectory
+from planning.cost_passes import E4M3_GATHERED_READ_BYTES, kv_read_bytes
 from planning.cost_terms import Links, call_geometry
 from planning.dataflow import MFC, BatchShape, MultiTurn
 from planning.hardware import hardware_preset
@@ -85,21 +86,25 @@ def test_multi_turn_costs_more_and_grows_with_turns_and_env_time() -> None:
         assert cost.time_s == pytest.approx(sum(v for k, v in cost.breakdown.items() if k.endswith("_s")))
 
 
-def test_an_fp8_cache_halves_the_history_an_observation_prefill_reads() -> None:
-    """The observation prefill runs the bf16 weights but reads the cached history at the cache's
-    dtype: with kv_cache_dtype fp8 its KV read halves and nothing else in it moves."""
+def test_an_fp8_cache_makes_the_observation_prefill_gather_and_widen_its_history() -> None:
+    """The observation prefill runs the bf16 weights and reads a bf16 cache in place; an e4m3
+    cache it gathers token-major and widens first (E4M3_GATHERED_READ_BYTES per value against 2):
+    only that read moves."""
     problem = _problem(MultiTurn(3, 32, 0.0), batch=BatchShape(64, 256, 128))
     gen = problem.graph.mfc("actor_gen")
     geo = call_geometry(problem.models["actor"].spec, False, ON_8.layout)
     links = Links(problem.cluster.hardware, problem.efficiency, ON_8)
     traj = trajectory(gen.batch, gen.multi_turn)
     seqs = 256
-    bf16, fp8 = (observation_parts(geo, ON_8.layout, links, seqs, traj, b)["obs_prefill_s"] for b in (2.0, 1.0))
-    half_read = seqs * traj.ctx * geo.kv_bytes_per_token_layer * geo.stage_layers / 2 / links.hbm
-    assert bf16 - fp8 == pytest.approx(traj.turns * half_read)
-    cached = (call_cost(problem, replace(gen, fp8_kv_cache=f), ON_8, execution=CallExecution(gen_rounds=1))
-              for f in (False, True))
-    assert next(cached).breakdown["obs_prefill_s"] > next(cached).breakdown["obs_prefill_s"]
+    bf16, fp8 = (observation_parts(geo, ON_8.layout, links, seqs, traj, b)["obs_prefill_s"]
+                 for b in (2.0, E4M3_GATHERED_READ_BYTES))
+    values = seqs * traj.ctx * geo.kv_bytes_per_token_layer * geo.stage_layers / 2  # cached values read
+    assert fp8 - bf16 == pytest.approx(traj.turns * values * (E4M3_GATHERED_READ_BYTES - 2) / links.hbm)
+    assert kv_read_bytes(True, problem.cluster.hardware, observation=True) == E4M3_GATHERED_READ_BYTES
+    cached = [call_cost(problem, replace(gen, fp8_kv_cache=f), ON_8, execution=CallExecution(gen_rounds=1))
+              for f in (False, True)]
+    assert cached[1].breakdown["obs_prefill_s"] > cached[0].breakdown["obs_prefill_s"]
+    assert cached[1].breakdown["kv_cache_bytes"] == pytest.approx(cached[0].breakdown["kv_cache_bytes"] / 2)
 
 
 def test_decode_over_every_turn_and_the_whole_trajectory_in_the_cache() -> None:

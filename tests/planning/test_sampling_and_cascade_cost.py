@@ -12,6 +12,7 @@ from app.config import load_config
 from app.config.problem import build_graph
 from planning.algorithm_graphs import grpo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
+from planning.cost_passes import E4M3_TRITON_READ_BYTES, E4M3_WIDENED_READ_BYTES, kv_read_bytes
 from planning.cost_terms import (
     CASCADE_OVERHEAD_KERNELS,
     FUSED_SAMPLING_BYTES_PER_LOGIT,
@@ -144,3 +145,18 @@ def test_fp8_decode_is_priced_faster_only_where_the_gpu_has_fp8_matmuls() -> Non
     assert fp8.breakdown["fp8_weights_bytes"] > 0
     assert H200.fp8_matmul and hardware_preset("h100-80g").fp8_matmul
     assert not hardware_preset("a100-80g").fp8_matmul and not hardware_preset("cpu").fp8_matmul
+
+
+def test_an_fp8_cache_without_e4m3_hardware_is_priced_as_the_widening_it_costs() -> None:
+    """Below compute capability 8.9 the worker reads an e4m3 cache through SDPA on a widened copy
+    (5 bytes moved per value against 2 for bf16): slower decode, half the cache's memory."""
+    problem = _problem()
+    gen = problem.graph.mfc("actor_gen")
+    rounds = CallExecution(gen_rounds=1)
+    no_e4m3 = replace(problem, cluster=replace(problem.cluster, hardware=replace(H200, fp8_matmul=False)))
+    bf16, fp8 = (call_cost(no_e4m3, replace(gen, fp8_kv_cache=f), ONE_GPU, execution=rounds).breakdown
+                 for f in (False, True))
+    assert fp8["decode_s"] > bf16["decode_s"]
+    assert fp8["kv_cache_bytes"] == pytest.approx(bf16["kv_cache_bytes"] / 2)
+    assert kv_read_bytes(True, H200) == E4M3_TRITON_READ_BYTES < 2.0 < kv_read_bytes(True, no_e4m3.cluster.hardware)
+    assert kv_read_bytes(True, no_e4m3.cluster.hardware) == E4M3_WIDENED_READ_BYTES
