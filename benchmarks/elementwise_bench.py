@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.fusion import fused
-from actors.engine.model import add_rms_norm, apply_rotary, rms_norm, swiglu
+from actors.engine.model import add_rms_norm, rms_norm, swiglu
+from actors.engine.rotary import apply_rotary
 from actors.engine.shared_prefix_attention import merge_partials
 from planning.models import model_preset
 

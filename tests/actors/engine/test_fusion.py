@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from actors.engine.fusion import fused
-from actors.engine.model import add_rms_norm, apply_rotary
+from actors.engine.model import add_rms_norm
+from actors.engine.rotary import apply_rotary
 from actors.engine.shared_prefix_attention import merge_partials
 
 pytestmark = pytest.mark.unit

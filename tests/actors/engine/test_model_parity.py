@@ -10,8 +10,9 @@ import torch
 import transformers
 
 from actors.engine.attention import KVCache, packed_causal_mask
-from actors.engine.model import Transformer, rope_cos_sin, rope_inv_freq
+from actors.engine.model import Transformer
 from actors.engine.packing import PackedBatch, pack_sequences, unpack_sequences
+from actors.engine.rotary import rope_cos_sin, rope_inv_freq
 from planning.models import ModelSpec, param_specs
 
 torch.set_num_threads(1)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.engine.model import Transformer, rope_inv_freq
+from actors.engine.model import Transformer
+from actors.engine.rotary import rope_inv_freq
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, ResponseRecorder, prepare_cache
 from actors.generation.kv_cache import HeadMajorKVCache
