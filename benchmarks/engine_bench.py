@@ -48,19 +48,16 @@ from actors.engine.process_groups import ParallelGroups, build_parallel_groups, 
 from actors.engine.shared_prefix import prefix_groups  # noqa: E402
 from actors.rl.losses import sft_loss  # noqa: E402
 from benchmarks.gpu_idle import format_report, gpu_idle  # noqa: E402
+from benchmarks.peer_floor import matmul_params  # noqa: E402
 from planning.layout import Layout  # noqa: E402
-from planning.models import ModelSpec, model_preset, param_specs  # noqa: E402
+from planning.models import ModelSpec, model_preset  # noqa: E402
 
 PEAK_FLOPS = 785e12
 
 
 def flops_per_token(spec: ModelSpec, lengths: list[int], train: bool) -> float:
     """Model FLOPs per token averaged over the batch (see module docstring)."""
-    matmul = sum(
-        p.shape[0] * p.shape[1] for p in param_specs(spec) if len(p.shape) == 2 and p.name != "model.embed_tokens.weight"
-    )
-    if spec.tie_embeddings:
-        matmul += spec.vocab_size * spec.hidden_size  # the head reuses the embedding matrix
+    matmul = matmul_params(spec)  # the head included (the embedding matrix when tied), the lookup not
     total_tokens = sum(lengths)
     attn = sum(2 * s * s * spec.n_heads * spec.head_dim * spec.n_layers for s in lengths) / total_tokens
     fwd = 2 * matmul + attn

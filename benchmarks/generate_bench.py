@@ -36,7 +36,7 @@ from actors.engine.model import Transformer
 from actors.engine.parallelize import build_model_shard
 from actors.engine.process_groups import ParallelGroups, build_parallel_groups, free_port
 from actors.generation.decoding import GenerationConfig
-from actors.generation.fp8_weights import Fp8DecodeWeights, aligned, head_weight
+from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.layout import Layout
@@ -108,11 +108,7 @@ def roofline_tokens_per_s(model: Transformer, spec: ModelSpec, args: argparse.Na
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     itemsize = next(model.parameters()).element_size()
     if config is not None and config.fp8_weights:  # the copies (with their scales) read instead
-        layers = model.model.layers.values()
-        copied = sum(part.weight.numel() for layer in layers if aligned(layer.mlp.down_proj.weight)
-                     for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
-        head = head_weight(model)
-        copied += head.numel() if head is not None else 0
+        copied = sum(w.numel() for w in Fp8DecodeWeights.sources(model))
         weight_bytes += Fp8DecodeWeights.nbytes(model) - copied * itemsize
     kv_itemsize = 1 if config is not None and config.kv_cache_dtype == "fp8" else itemsize
     kv_per_token = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim * kv_itemsize

@@ -130,15 +130,18 @@ class Fp8DecodeWeights:
             self.head_weight = Fp8Weight.of(head) if head is not None else None
 
     @staticmethod
+    def sources(model: nn.Module) -> list[Tensor]:
+        """The bf16 weights of `model` that get FP8 copies: every aligned MLP's gate, up and down,
+        and the head's weight when it is aligned."""
+        weights = [part.weight for layer in model.model.layers.values() if aligned(layer.mlp.down_proj.weight)
+                   for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        head = head_weight(model)
+        return weights + ([head] if head is not None else [])
+
+    @staticmethod
     def nbytes(model: nn.Module) -> int:
         """Bytes the copies take: one byte per weight element plus a float32 scale per row."""
-        total = 0
-        for layer in model.model.layers.values():
-            if aligned(layer.mlp.down_proj.weight):
-                for part in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                    total += part.weight.numel() + 4 * part.weight.shape[0]
-        head = head_weight(model)
-        return total + (head.numel() + 4 * head.shape[0] if head is not None else 0)
+        return sum(w.numel() + 4 * w.shape[0] for w in Fp8DecodeWeights.sources(model))
 
     def mlp(self, layer: int, x: Tensor) -> Tensor | None:
         fp8_mlp = self.mlps.get(layer)
