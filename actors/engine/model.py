@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from actors.engine.attention import KVCache, packed_attention
 from actors.engine.fusion import fused
-from actors.engine.main_grad import Linear
+from actors.engine.main_grad import Linear, shared_input_linears
 from actors.engine.packing import PackedBatch
 from actors.engine.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from actors.engine.shared_prefix_attention import shared_prefix_attention
@@ -119,9 +119,8 @@ class Attention(nn.Module):
             qkv = F.linear(x, *fused_qkv).view(T, n_q + 2 * n_kv, d)
             qk, v = pick(apply_rotary, self.fuse_elementwise)(qkv[:, : n_q + n_kv], cos, sin), qkv[:, n_q + n_kv :]
             return qk[:, :n_q], qk[:, n_q:], v
-        q = self.q_proj(x).view(T, n_q, d)
-        k = self.k_proj(x).view(T, n_kv, d)
-        v = self.v_proj(x).view(T, n_kv, d)
+        q, k, v = shared_input_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.view(T, n_q, d), k.view(T, n_kv, d), v.view(T, n_kv, d)
         rotary = pick(apply_rotary, self.fuse_elementwise)
         if not decoding:
             return rotary(q, cos, sin), rotary(k, cos, sin), v
@@ -161,7 +160,8 @@ class MLP(nn.Module):
         self.fuse_elementwise = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(pick(swiglu, self.fuse_elementwise)(self.gate_proj(x), self.up_proj(x)))
+        gate, up = shared_input_linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(pick(swiglu, self.fuse_elementwise)(gate, up))
 
 
 class DecoderLayer(nn.Module):

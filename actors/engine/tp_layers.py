@@ -140,6 +140,11 @@ class ColumnParallelLinear(nn.Module):
         y = linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
+    def reads_input_as_is(self) -> bool:
+        """forward(x) is linear(x, weight, bias): inside a tp region, output not gathered."""
+        return (self.input_in_tp_region or group_size(self.group) == 1) and (
+            not self.gather_output or group_size(self.group) == 1)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local_out={self.local_out_features}"
 
@@ -227,6 +232,10 @@ class ReplicatedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x if self.input_in_tp_region else copy_to_tp_region(x, self.group)
         return linear(x, self.weight, self.bias)
+
+    def reads_input_as_is(self) -> bool:
+        """forward(x) is linear(x, weight, bias): inside a tp region."""
+        return self.input_in_tp_region or group_size(self.group) == 1
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, replicated"

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine import AdamWConfig, ModelEngine, ParallelGroups
-from actors.engine.main_grad import Linear, linear
+from actors.engine.main_grad import Linear, linear, shared_input_linears
 from planning.layout import Layout
 from planning.models import ModelSpec
 
@@ -88,3 +88,87 @@ def test_cuda_bf16_weight_grads_accumulate_in_the_gemm_into_fp32() -> None:
     expected = sum(g.double().t() @ x.double() for x, g in zip(inputs, grads))
     torch.testing.assert_close(weight.main_grad.double(), expected, rtol=1e-5, atol=1e-3)
     assert weight.grad is None
+
+
+def separate_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                     grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor | None],
+                                                         list[torch.Tensor | None]]:
+    """(outputs, input grad, weight grads, bias grads) of F.linear per weight, through autograd."""
+    x = x.detach().clone().requires_grad_()
+    weights = [w.detach().clone().requires_grad_() for w in weights]
+    biases = [None if b is None else b.detach().clone().requires_grad_() for b in biases]
+    outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    torch.autograd.backward(outs, grads)
+    return outs, x.grad, [w.grad for w in weights], [None if b is None else b.grad for b in biases]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("with_main_grad", [False, True])
+def test_shared_input_linears_match_separate_layers_with_one_input_gradient(with_main_grad: bool) -> None:
+    torch.manual_seed(0)
+    layers = [Linear(8, 12, bias=True), Linear(8, 4, bias=True), Linear(8, 4, bias=False)]  # q, k, v
+    if with_main_grad:
+        for layer in layers:
+            layer.weight.main_grad = torch.zeros_like(layer.weight)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    outs = shared_input_linears(x, layers)
+    assert len({out.grad_fn for out in outs}) == 1  # one autograd node for the three products
+    grads = [torch.randn_like(out) for out in outs]
+    torch.autograd.backward(outs, grads)
+    ref_outs, ref_x_grad, ref_w_grads, ref_b_grads = separate_linears(
+        x, [layer.weight for layer in layers], [layer.bias for layer in layers], grads)
+    for out, ref in zip(outs, ref_outs):
+        torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, ref_x_grad)
+    for layer, w_grad, b_grad in zip(layers, ref_w_grads, ref_b_grads):
+        if with_main_grad:
+            assert layer.weight.grad is None
+            torch.testing.assert_close(layer.weight.main_grad, w_grad)
+        else:
+            torch.testing.assert_close(layer.weight.grad, w_grad)
+        if b_grad is not None:
+            torch.testing.assert_close(layer.bias.grad, b_grad)
+
+
+@pytest.mark.unit
+def test_shared_input_linears_call_each_layer_without_grad_mode_or_for_other_layers() -> None:
+    torch.manual_seed(0)
+    layers = [Linear(6, 3, bias=False), torch.nn.Linear(6, 2)]  # torch's own Linear: not known to read x as is
+    x = torch.randn(4, 6, requires_grad=True)
+    outs = shared_input_linears(x, layers)
+    assert outs[0].grad_fn is not outs[1].grad_fn
+    with torch.no_grad():
+        plain = shared_input_linears(x, layers[:1])
+    assert plain[0].grad_fn is None
+    torch.testing.assert_close(plain[0], F.linear(x, layers[0].weight))
+
+
+@pytest.mark.unit
+def test_serial_tp_layers_read_their_input_as_is() -> None:
+    # Without a tp group every tp layer is a plain linear map (tp > 1: test_tp_regions_dist.py).
+    from actors.engine.tp_layers import ColumnParallelLinear, ReplicatedLinear
+
+    assert ColumnParallelLinear(8, 8, False, None, device="meta", gather_output=True).reads_input_as_is()
+    assert ReplicatedLinear(8, 8, False, None, device="meta").reads_input_as_is()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_shared_input_gradient_matches_separate_layers() -> None:
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 256, device="cuda", dtype=torch.bfloat16) / 16 for n in (512, 128, 128)]
+    layers = []
+    for w in weights:
+        layer = Linear(256, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+        layer.weight.data.copy_(w)
+        layer.weight.main_grad = torch.zeros(w.shape, device="cuda")
+        layers.append(layer)
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    outs = shared_input_linears(x, layers)
+    grads = [torch.randn_like(out) for out in outs]
+    torch.autograd.backward(outs, grads)
+    expected = sum(g.double() @ w.double() for g, w in zip(grads, weights))
+    torch.testing.assert_close(x.grad.double(), expected, rtol=2e-2, atol=2e-2)
+    for layer, g in zip(layers, grads):
+        torch.testing.assert_close(layer.weight.main_grad.double(), g.double().t() @ x.detach().double(),
+                                   rtol=1e-4, atol=1e-2)

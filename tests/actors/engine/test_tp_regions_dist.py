@@ -2,8 +2,8 @@
 parallelize.py's forward pre-hook), not once per projection: the backward all-reduces the
 attention input's gradient once for q, k and v together and the MLP input's once for gate and up.
 dist: 2 gloo processes build a tp=2 shard (K/V split, and K/V replicated when tp does not divide
-the KV heads), count the region entries in the autograd graph of the logits, and check the
-sharded gradients against the serial model's."""
+the KV heads), count the region entries (and the shared-input projections) in the autograd graph
+of the logits, and check the sharded gradients against the serial model's."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ REPLICATED_KV = ModelSpec("one-kv-head", "llama", vocab_size=64, hidden_size=32,
                           eos_token_id=2)
 
 
-def region_entries(output: torch.Tensor) -> int:
-    """Nodes of _CopyToTP (tp region entries) in the autograd graph that produced `output`."""
+def graph_nodes(output: torch.Tensor, kind: str) -> int:
+    """Nodes whose name holds `kind` in the autograd graph that produced `output`."""
     seen, stack, count = set(), [output.grad_fn], 0
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        count += "_CopyToTP" in node.name()
+        count += kind in node.name()
         stack.extend(next_fn for next_fn, _ in node.next_functions)
     return count
 
@@ -43,7 +43,10 @@ def check_spec(spec: ModelSpec, rank: int, tp: int) -> None:
     tokens, batch = pack_sequences([torch.randint(3, spec.vocab_size, (n,)) for n in (9, 14)])
     logits = shard(tokens, batch)  # [T, V/tp]: this rank's vocab slice
     # Two entries per block (attention input, MLP input) and one for the head's input.
-    assert region_entries(logits) == 2 * spec.n_layers + 1
+    assert graph_nodes(logits, "_CopyToTP") == 2 * spec.n_layers + 1
+    # Inside the region q, k, v (split or replicated) and gate, up each read the input through one
+    # node, whose backward writes its gradient once (actors.engine.main_grad.shared_input_linears).
+    assert graph_nodes(logits, "_SharedInputLinears") == 2 * spec.n_layers
     logits.pow(2).sum().backward()  # the sum over vocab slices is the serial sum, split by rank
 
     serial = Transformer(spec, False)
