@@ -46,6 +46,9 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
   tests/actors/generation/test_fp8_weights.py tests/actors/kernels/test_decode_attention.py
 [[ $only == *fp8* ]] && LIMIT=${FP8_LIMIT:-240} run generate_fp8 python3 benchmarks/generate_bench.py --grpo-step \
   --modes ${FP8_MODES:-graph+compile,graph+compile+fp8,graph+compile+fp8kv,graph+compile+fp8+fp8kv}
+# Training attention of one peer-bench micro-batch by kernel (FlashAttention 2 cascade, whole rows,
+# cuDNN varlen and dense; seconds): is there a faster kernel for the step's 421 ms of attention?
+[[ $only == *trainattn* ]] && run train_attention python3 benchmarks/train_attention_bench.py
 # Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--pull off".
 [[ $only == *realloc* && -n ${REALLOC_ARGS:-} ]] && run realloc_b python3 benchmarks/realloc_bench.py $REALLOC_ARGS
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).

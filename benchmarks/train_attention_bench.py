@@ -1,0 +1,245 @@
+"""Training attention of one peer-bench micro-batch, forward + backward, by kernel: is there a
+faster one than the FlashAttention 2 cascade the engine runs (actors.engine.shared_prefix_attention)?
+
+    python3 benchmarks/train_attention_bench.py             # one H200 (seconds)
+    python3 benchmarks/train_attention_bench.py --cpu --tiny  # the same code paths' shapes on CPU
+
+Shape (the peer bench's training micro-batch): 32 rows = 4 prompts x 8 samples, 128 prompt + 512
+completion tokens, Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64), bf16.
+Ways, each timed as forward + backward of one layer (median of --reps, CUDA events):
+  cascade        the engine's path: FlashAttention 2 varlen over the compact stream (every prompt
+                 once, then every completion) + a cross call of each group's completions over its
+                 prompt, merged; backward the same two calls
+  fa2 rows       FlashAttention 2 varlen, every row whole (640 tokens causal, 32 sequences)
+  cudnn rows     cuDNN's varlen attention (aten._cudnn_attention_forward/backward, the nested
+                 tensors' kernel) on the same 32 whole rows, K/V with 8 heads, then repeated to 32
+                 if cuDNN refuses grouped heads
+  cudnn dense    cuDNN SDPA on the rows as one dense [32, H, 640, 64] batch (all rows are equally
+                 long here; a real batch would pad)
+Each line gives ms per layer, TFLOP/s on the FLOPs the way runs (forward 4 * S_q * S_k * D * H,
+halved where causal; backward 2.5x forward) and the same times 16 layers x 16 micro-batches (the
+training step's attention, 421 ms in the profile of the ninth step). A way that fails prints why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engine.packing import PackedBatch, PrefixSpans  # noqa: E402
+from actors.engine.shared_prefix_attention import (  # noqa: E402
+    FLASH_KERNELS,
+    REFERENCE_KERNELS,
+    cascade_attention,
+)
+
+LAYERS_X_MICRO = 16 * 16  # Llama-3.2-1B's layers x the peer bench's training micro-batches
+PEAK_TFLOPS = 785.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--cpu", action="store_true", help="float32 on CPU: the reference cascade only")
+    parser.add_argument("--tiny", action="store_true", help="2 prompts x 2 rows, 8 + 8 tokens, 4/2 heads, dim 8")
+    return parser.parse_args(argv)
+
+
+def shape(args: argparse.Namespace) -> dict[str, int]:
+    if args.tiny:
+        return {"prompts": 2, "group": 2, "prompt": 8, "completion": 8, "hq": 4, "hkv": 2, "dim": 8}
+    return {"prompts": 4, "group": 8, "prompt": 128, "completion": 512, "hq": 32, "hkv": 8, "dim": 64}
+
+
+def cascade_batch(s: dict[str, int], device: torch.device) -> PackedBatch:
+    """The compact stream [prompts | completions] of actors.engine.shared_prefix.shared_layout."""
+    n_rows = s["prompts"] * s["group"]
+    seg = [s["prompt"]] * s["prompts"] + [s["completion"]] * n_rows
+    cu = torch.tensor([0] + seg, device=device).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(s["prompt"])] * s["prompts"]
+                          + [torch.arange(s["prompt"], s["prompt"] + s["completion"])] * n_rows).to(device)
+    cu_prefix = torch.arange(s["prompts"] + 1, device=device, dtype=torch.int32) * s["prompt"]
+    cu_suffix = torch.arange(s["prompts"] + 1, device=device, dtype=torch.int32) * s["group"] * s["completion"]
+    n_prefix = s["prompts"] * s["prompt"]
+    heads = torch.arange(n_rows, device=device) // s["group"] * s["prompt"] + s["prompt"] - 1
+    spans = PrefixSpans(n_prefix, cu_prefix, cu_suffix, s["prompt"], s["group"] * s["completion"], heads)
+    return PackedBatch(cu, positions, max(seg), spans)
+
+
+def flops(s: dict[str, int], way: str) -> float:
+    """Forward + backward FLOPs of the attention the way computes (module docstring)."""
+    per_pair = 4 * s["dim"] * s["hq"]
+    n_rows, p, c = s["prompts"] * s["group"], s["prompt"], s["completion"]
+    if way == "cascade":
+        forward = per_pair * (s["prompts"] * p * p / 2 + n_rows * c * c / 2 + n_rows * c * p)
+    else:
+        forward = per_pair * n_rows * (p + c) ** 2 / 2
+    return 3.5 * forward
+
+
+def time_ms(step: Callable[[], torch.Tensor], reps: int, device: torch.device) -> float:
+    """Median ms of `step` (forward + backward) over reps, after two warm-up calls."""
+    for _ in range(2):
+        step()
+    if device.type != "cuda":
+        return float("nan")
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def row_inputs(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """q [R * L, Hq, D], k, v [R * L, Hkv, D] of the rows whole (L = prompt + completion), the rows of
+    a group holding the same prompt (as GRPO's samples of one prompt do)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for heads in (s["hq"], s["hkv"], s["hkv"]):
+        parts = []
+        for _ in range(s["prompts"]):
+            prompt = torch.randn(s["prompt"], heads, s["dim"], generator=gen)
+            for _ in range(s["group"]):
+                parts += [prompt, torch.randn(s["completion"], heads, s["dim"], generator=gen)]
+        out.append(torch.cat(parts).to(device=device, dtype=dtype))
+    return out
+
+
+def reference(rows: list[torch.Tensor], s: dict[str, int]) -> torch.Tensor:
+    """float32 [R * L, Hq, D]: causal attention of every row alone."""
+    length, group = s["prompt"] + s["completion"], s["hq"] // s["hkv"]
+    q, k, v = (t.float().unflatten(0, (-1, length)).transpose(1, 2) for t in rows)  # [R, H, L, D]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(0, 1)
+
+
+def compact_index(s: dict[str, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows -> compact: for each compact token the row token it comes from [T_c]; compact -> rows:
+    for each row token its compact position [R * L])."""
+    length, n_rows = s["prompt"] + s["completion"], s["prompts"] * s["group"]
+    row_start = torch.arange(n_rows) * length
+    prompts = (row_start[::s["group"], None] + torch.arange(s["prompt"])).flatten()
+    completions = (row_start[:, None] + s["prompt"] + torch.arange(s["completion"])).flatten()
+    take = torch.cat((prompts, completions))
+    n_prefix = s["prompts"] * s["prompt"]
+    prompt_at = (torch.arange(n_rows)[:, None] // s["group"]) * s["prompt"] + torch.arange(s["prompt"])
+    completion_at = n_prefix + torch.arange(n_rows)[:, None] * s["completion"] + torch.arange(s["completion"])
+    back = torch.cat((prompt_at, completion_at), dim=1).flatten()
+    return take.to(device), back.to(device)
+
+
+def leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def cascade_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    batch = cascade_batch(s, device)
+    take, back = compact_index(s, device)
+    q, k, v = leaves([t[take] for t in rows])
+    kernels = FLASH_KERNELS if device.type == "cuda" else REFERENCE_KERNELS
+
+    def step() -> torch.Tensor:
+        # K/V with their own heads, as the engine passes them where FlashAttention takes GQA.
+        out = cascade_attention(q, k, v, batch, kernels)
+        out.backward(torch.ones_like(out))
+        return out.detach()[back]
+    return step
+
+
+def rows_cu(s: dict[str, int], device: torch.device) -> tuple[torch.Tensor, int]:
+    n_rows, length = s["prompts"] * s["group"], s["prompt"] + s["completion"]
+    return torch.arange(n_rows + 1, device=device, dtype=torch.int32) * length, length
+
+
+def fa2_rows_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    cu, length = rows_cu(s, device)
+    q, k, v = rows
+    scale = s["dim"] ** -0.5
+
+    def step() -> torch.Tensor:
+        out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, length, length, 0.0, True,
+                                                                      False, scale=scale)
+        torch.ops.aten._flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, cu, cu, length, length,
+                                                 0.0, True, rng, torch.empty(0, device=device), scale=scale)
+        return out
+    return step
+
+
+def cudnn_rows_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device,
+                    repeat_kv: bool) -> Callable[[], torch.Tensor]:
+    cu, length = rows_cu(s, device)
+    q, k, v = rows
+    if repeat_kv:
+        k, v = (t.repeat_interleave(s["hq"] // s["hkv"], 1) for t in (k, v))
+    scale, empty = s["dim"] ** -0.5, torch.empty(0, device=device, dtype=q.dtype)
+
+    def step() -> torch.Tensor:
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, length, length, True, 0.0, True, False, scale=scale)
+        torch.ops.aten._cudnn_attention_backward(torch.ones_like(out), q, k, v, out, lse, seed, offset, empty, cu, cu,
+                                                 length, length, 0.0, True, scale=scale)
+        return out
+    return step
+
+
+def cudnn_dense_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    length = s["prompt"] + s["completion"]
+    q, k, v = leaves([t.unflatten(0, (-1, length)).transpose(1, 2) for t in rows])  # [R, H, L, D]
+    backends = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]
+
+    def step() -> torch.Tensor:
+        with torch.nn.attention.sdpa_kernel(backends):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+        return out.detach().transpose(1, 2).flatten(0, 1)
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    s = shape(args)
+    rows = row_inputs(s, dtype, device)
+    expected = reference(rows, s)
+    ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {"cascade": lambda: cascade_step(s, rows, device)}
+    if device.type == "cuda":
+        ways |= {"fa2 rows": lambda: fa2_rows_step(s, rows, device),
+                 "cudnn rows (8 kv heads)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=False),
+                 "cudnn rows (kv repeated)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=True),
+                 "cudnn dense": lambda: cudnn_dense_step(s, rows, device)}
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+          f"cudnn {torch.backends.cudnn.version() if device.type == 'cuda' else '-'}")
+    table = []
+    for name, build in ways.items():
+        try:
+            step = build()
+            error = (step().float() - expected).abs().max().item()
+            ms = time_ms(step, args.reps, device)
+        except Exception as exc:  # noqa: BLE001 - a kernel this torch/GPU lacks: say why, go on
+            print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            traceback.print_exc(limit=2)
+            continue
+        tflops = flops(s, "cascade" if name == "cascade" else "rows") / ms / 1e9
+        table.append((name, error, ms, tflops))
+    print("\n| way | max abs error | ms per layer (fwd+bwd) | TFLOP/s | % of 785 | ms per step (16 x 16) |")
+    print("|---|---|---|---|---|---|")
+    for name, error, ms, tflops in table:
+        print(f"| {name} | {error:.1e} | {ms:.3f} | {tflops:.0f} | {100 * tflops / PEAK_TFLOPS:.0f}% | "
+              f"{ms * LAYERS_X_MICRO:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
