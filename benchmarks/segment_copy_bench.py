@@ -61,7 +61,8 @@ def _halves(device: torch.device, layers: int = 8) -> tuple[list[torch.Tensor], 
     return sources, at, copies
 
 
-def _time(step: Callable[[], None], reps: int) -> float:
+def median_cuda_seconds(step: Callable[[], object], reps: int) -> float:
+    """Median seconds of `step` on the current CUDA stream over reps (CUDA events), after 3 warm-ups."""
     for _ in range(3):
         step()
     times = []
@@ -80,7 +81,7 @@ def _run(name: str, sources: list[torch.Tensor], numel: int, copies: list[Copy2D
     moved = 2 * sum(c.rows * c.cols for c in copies) * 2  # bf16, read + write
     dst = torch.empty(numel, device=sources[0].device, dtype=torch.bfloat16)
     reference = CopyTable.build(copies, 2)
-    seconds = _time(lambda: copy_reference(reference, sources, dst), reps)
+    seconds = median_cuda_seconds(lambda: copy_reference(reference, sources, dst), reps)
     rows = [(name, "torch copy_ per copy", seconds, moved / seconds / 1e9, True)]
     want = dst.clone()
     for (block_r, block_c, warps), programs in [(t, p) for t in TILES for p in PROGRAMS]:
@@ -92,7 +93,7 @@ def _run(name: str, sources: list[torch.Tensor], numel: int, copies: list[Copy2D
         def step() -> None:
             launch_copies(table, fields, starts, sources[0], dst, table.aligned, programs, warps)
 
-        seconds = _time(step, reps)
+        seconds = median_cuda_seconds(step, reps)
         rows.append((name, f"{block_r}x{block_c}, {warps} warps, {programs} blocks", seconds, moved / seconds / 1e9,
                      torch.equal(dst, want)))
     return rows

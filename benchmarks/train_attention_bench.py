@@ -24,7 +24,6 @@ training step's attention, 421 ms in the profile of the ninth step). A way that 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from actors.engine.shared_prefix_attention import (  # noqa: E402
     REFERENCE_KERNELS,
     cascade_attention,
 )
+from benchmarks.segment_copy_bench import median_cuda_seconds  # noqa: E402
 
 LAYERS_X_MICRO = 16 * 16  # Llama-3.2-1B's layers x the peer bench's training micro-batches
 PEAK_TFLOPS = 785.0
@@ -86,20 +86,11 @@ def flops(s: dict[str, int], way: str) -> float:
 
 
 def time_ms(step: Callable[[], torch.Tensor], reps: int, device: torch.device) -> float:
-    """Median ms of `step` (forward + backward) over reps, after two warm-up calls."""
-    for _ in range(2):
-        step()
+    """Median ms of `step` (forward + backward) over reps on CUDA; NaN elsewhere (after two calls)."""
     if device.type != "cuda":
+        step(), step()
         return float("nan")
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return 1e3 * median_cuda_seconds(step, reps)
 
 
 def row_inputs(s: dict[str, int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
