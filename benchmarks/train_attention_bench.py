@@ -16,6 +16,7 @@ Ways, each timed as forward + backward of one layer (median of --reps, CUDA even
                  if cuDNN refuses grouped heads
   cudnn dense    cuDNN SDPA on the rows as one dense [32, H, 640, 64] batch (all rows are equally
                  long here; a real batch would pad)
+  cudnn cascade  the engine's cascade with cuDNN's varlen forward/backward instead of FA2's
 Each line gives ms per layer, TFLOP/s on the FLOPs the way runs (forward 4 * S_q * S_k * D * H,
 halved where causal; backward 2.5x forward) and the same times 16 layers x 16 micro-batches (the
 training step's attention, 421 ms in the profile of the ninth step). A way that fails prints why.
@@ -37,6 +38,7 @@ from actors.engine.packing import PackedBatch, PrefixSpans  # noqa: E402
 from actors.engine.shared_prefix_attention import (  # noqa: E402
     FLASH_KERNELS,
     REFERENCE_KERNELS,
+    CascadeKernels,
     cascade_attention,
 )
 from benchmarks.segment_copy_bench import median_cuda_seconds  # noqa: E402
@@ -149,6 +151,52 @@ def cascade_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.devi
     return step
 
 
+# The layout cuDNN's varlen forward returned its lse in, by the cuDNN cascade's forward: its
+# backward must hand the merged lse back in that layout (the cascade keeps FlashAttention's [H, T]).
+_CUDNN_LSE_SHAPE: dict[str, tuple[int, ...]] = {}
+
+
+def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   max_q: int, max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    out, lse, *_ = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0,
+                                                            causal, False, scale=scale)
+    _CUDNN_LSE_SHAPE["native"] = tuple(lse.shape)
+    heads, tokens = q.shape[1], q.shape[0]
+    if tuple(lse.shape) != (heads, tokens):  # e.g. [T, H] or [T, H, 1]: to [H, T]
+        lse = lse.reshape(tokens, heads).t()
+    return out, lse.float().contiguous(), torch.empty(0, device=q.device)
+
+
+def _cudnn_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                    scale: float, rng: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    native = _CUDNN_LSE_SHAPE["native"]
+    if native != tuple(lse.shape):
+        lse = lse.t().reshape(native)
+    empty = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(d_out, q, k, v, out, lse.contiguous(), empty, empty,
+                                                         torch.empty(0, device=q.device, dtype=q.dtype), cu_q, cu_k,
+                                                         max_q, max_k, 0.0, causal, scale=scale)
+    return dq, dk, dv
+
+
+def cudnn_cascade_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device,
+                       repeat_kv: bool) -> Callable[[], torch.Tensor]:
+    """The engine's cascade with cuDNN's varlen forward and backward in place of FlashAttention's."""
+    batch = cascade_batch(s, device)
+    take, back = compact_index(s, device)
+    q, k, v = leaves([t[take] for t in rows])
+    if repeat_kv:
+        k, v = leaves([t.repeat_interleave(s["hq"] // s["hkv"], 1) for t in (k, v)])
+    kernels = CascadeKernels(_cudnn_forward, _cudnn_backward, FLASH_KERNELS.merge)
+
+    def step() -> torch.Tensor:
+        out = cascade_attention(q, k, v, batch, kernels)
+        out.backward(torch.ones_like(out))
+        return out.detach()[back]
+    return step
+
+
 def rows_cu(s: dict[str, int], device: torch.device) -> tuple[torch.Tensor, int]:
     n_rows, length = s["prompts"] * s["group"], s["prompt"] + s["completion"]
     return torch.arange(n_rows + 1, device=device, dtype=torch.int32) * length, length
@@ -210,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
         ways |= {"fa2 rows": lambda: fa2_rows_step(s, rows, device),
                  "cudnn rows (8 kv heads)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=False),
                  "cudnn rows (kv repeated)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=True),
-                 "cudnn dense": lambda: cudnn_dense_step(s, rows, device)}
+                 "cudnn dense": lambda: cudnn_dense_step(s, rows, device),
+                 "cudnn cascade (8 kv heads)": lambda: cudnn_cascade_step(s, rows, device, repeat_kv=False),
+                 "cudnn cascade (kv repeated)": lambda: cudnn_cascade_step(s, rows, device, repeat_kv=True)}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
           f"cudnn {torch.backends.cudnn.version() if device.type == 'cuda' else '-'}")
     table = []
@@ -223,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             traceback.print_exc(limit=2)
             continue
-        tflops = flops(s, "cascade" if name == "cascade" else "rows") / ms / 1e9
+        tflops = flops(s, "cascade" if "cascade" in name else "rows") / ms / 1e9
         table.append((name, error, ms, tflops))
+    if _CUDNN_LSE_SHAPE:
+        print(f"cuDNN varlen lse layout: {_CUDNN_LSE_SHAPE['native']}")
     print("\n| way | max abs error | ms per layer (fwd+bwd) | TFLOP/s | % of 785 | ms per step (16 x 16) |")
     print("|---|---|---|---|---|---|")
     for name, error, ms, tflops in table:
