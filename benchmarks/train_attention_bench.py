@@ -1,5 +1,5 @@
-"""Training attention of one peer-bench micro-batch, forward + backward, by kernel: is there a
-faster one than the FlashAttention 2 cascade the engine runs (actors.engine.shared_prefix_attention)?
+"""Training attention of one peer-bench micro-batch, forward + backward, by kernel and by way of
+sharing the prompts (actors.engine.shared_prefix_attention): which is fastest?
 
     python3 benchmarks/train_attention_bench.py             # one H200 (seconds)
     python3 benchmarks/train_attention_bench.py --cpu --tiny  # the same code paths' shapes on CPU
@@ -7,16 +7,18 @@ faster one than the FlashAttention 2 cascade the engine runs (actors.engine.shar
 Shape (the peer bench's training micro-batch): 32 rows = 4 prompts x 8 samples, 128 prompt + 512
 completion tokens, Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64), bf16.
 Ways, each timed as forward + backward of one layer (median of --reps, CUDA events):
-  cascade        the engine's path: FlashAttention 2 varlen over the compact stream (every prompt
-                 once, then every completion) + a cross call of each group's completions over its
-                 prompt, merged; backward the same two calls
+  cascade        the engine's path until the fifteenth step: FlashAttention 2 varlen over the
+                 compact stream (every prompt once, then every completion) + a cross call of each
+                 group's completions over its prompt, merged; backward the same two calls
   fa2 rows       FlashAttention 2 varlen, every row whole (640 tokens causal, 32 sequences)
   cudnn rows     cuDNN's varlen attention (aten._cudnn_attention_forward/backward, the nested
                  tensors' kernel) on the same 32 whole rows, K/V with 8 heads, then repeated to 32
                  if cuDNN refuses grouped heads
   cudnn dense    cuDNN SDPA on the rows as one dense [32, H, 640, 64] batch (all rows are equally
                  long here; a real batch would pad)
-  cudnn cascade  the engine's cascade with cuDNN's varlen forward/backward instead of FA2's
+  cudnn cascade  the cascade with cuDNN's varlen forward/backward instead of FA2's
+  history        the engine's path: one FA2 varlen call (torch's varlen_attn) over K/V gathered
+                 per row, a completion's keys its prompt and itself (history_attention)
 Each line gives ms per layer, TFLOP/s on the FLOPs the way runs (forward 4 * S_q * S_k * D * H,
 halved where causal; backward 2.5x forward) and the same times 16 layers x 16 micro-batches (the
 training step's attention, 421 ms in the profile of the ninth step). A way that fails prints why.
@@ -40,6 +42,7 @@ from actors.engine.shared_prefix_attention import (  # noqa: E402
     REFERENCE_KERNELS,
     CascadeKernels,
     cascade_attention,
+    history_attention,
 )
 from benchmarks.segment_copy_bench import median_cuda_seconds  # noqa: E402
 
@@ -72,7 +75,12 @@ def cascade_batch(s: dict[str, int], device: torch.device) -> PackedBatch:
     cu_suffix = torch.arange(s["prompts"] + 1, device=device, dtype=torch.int32) * s["group"] * s["completion"]
     n_prefix = s["prompts"] * s["prompt"]
     heads = torch.arange(n_rows, device=device) // s["group"] * s["prompt"] + s["prompt"] - 1
-    spans = PrefixSpans(n_prefix, cu_prefix, cu_suffix, s["prompt"], s["group"] * s["completion"], heads)
+    _, back = compact_index(s, device)  # each row whole, in compact positions
+    history = torch.cat((torch.arange(n_prefix, device=device), back))
+    cu_history = torch.tensor([0] + [s["prompt"]] * s["prompts"] + [s["prompt"] + s["completion"]] * n_rows,
+                              device=device).cumsum(0).to(torch.int32)
+    spans = PrefixSpans(n_prefix, cu_prefix, cu_suffix, s["prompt"], s["group"] * s["completion"], heads,
+                        history, cu_history, s["prompt"] + s["completion"])
     return PackedBatch(cu, positions, max(seg), spans)
 
 
@@ -170,9 +178,8 @@ def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
 def _cudnn_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
                     scale: float, rng: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    native = _CUDNN_LSE_SHAPE["native"]
-    if native != tuple(lse.shape):
-        lse = lse.t().reshape(native)
+    if len(_CUDNN_LSE_SHAPE["native"]) == 3:  # [T, H, 1], as the forward gave it
+        lse = lse.t().unsqueeze(-1)
     empty = torch.empty(0, device=q.device)
     dq, dk, dv = torch.ops.aten._cudnn_attention_backward(d_out, q, k, v, out, lse.contiguous(), empty, empty,
                                                          torch.empty(0, device=q.device, dtype=q.dtype), cu_q, cu_k,
@@ -192,6 +199,19 @@ def cudnn_cascade_step(s: dict[str, int], rows: list[torch.Tensor], device: torc
 
     def step() -> torch.Tensor:
         out = cascade_attention(q, k, v, batch, kernels)
+        out.backward(torch.ones_like(out))
+        return out.detach()[back]
+    return step
+
+
+def history_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """The engine's path since the fifteenth step: one varlen call over K/V gathered per row."""
+    batch = cascade_batch(s, device)
+    take, back = compact_index(s, device)
+    q, k, v = leaves([t[take] for t in rows])
+
+    def step() -> torch.Tensor:
+        out = history_attention(q, k, v, batch)
         out.backward(torch.ones_like(out))
         return out.detach()[back]
     return step
@@ -253,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     s = shape(args)
     rows = row_inputs(s, dtype, device)
     expected = reference(rows, s)
-    ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {"cascade": lambda: cascade_step(s, rows, device)}
+    ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+        "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device)}
     if device.type == "cuda":
         ways |= {"fa2 rows": lambda: fa2_rows_step(s, rows, device),
                  "cudnn rows (8 kv heads)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=False),
@@ -273,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             traceback.print_exc(limit=2)
             continue
-        tflops = flops(s, "cascade" if "cascade" in name else "rows") / ms / 1e9
+        tflops = flops(s, "cascade" if "cascade" in name or name == "history" else "rows") / ms / 1e9
         table.append((name, error, ms, tflops))
     if _CUDNN_LSE_SHAPE:
         print(f"cuDNN varlen lse layout: {_CUDNN_LSE_SHAPE['native']}")

@@ -30,6 +30,11 @@ class PrefixSpans:
     max_prefix / max_group_suffix: the longest of each (kernels size their tiles by them).
     head_rows: int64 [B], per row the compact position of its group's last prefix token: the head
         runs on the stream and then on these rows again (each predicts its row's first suffix token).
+    history: int64 [T_k], the keys each of the stream's sequences attends to, as compact positions,
+        one sequence after another: a prefix its own tokens, a suffix its group's prefix and then
+        its own tokens (T_k = the prefixes plus the rows whole). cu_history: int32 [G+B+1] their
+        bounds; max_history the longest. Attention gathers K/V by `history` and runs causal,
+        aligned at the bottom right (actors.engine.attention.attention_over_history).
     """
 
     n_prefix_tokens: int
@@ -38,10 +43,14 @@ class PrefixSpans:
     max_prefix: int
     max_group_suffix: int
     head_rows: Tensor
+    history: Tensor
+    cu_history: Tensor
+    max_history: int
 
     def to(self, device: torch.device | str) -> PrefixSpans:
         return PrefixSpans(self.n_prefix_tokens, self.cu_prefix.to(device), self.cu_suffix.to(device),
-                           self.max_prefix, self.max_group_suffix, self.head_rows.to(device))
+                           self.max_prefix, self.max_group_suffix, self.head_rows.to(device),
+                           self.history.to(device), self.cu_history.to(device), self.max_history)
 
 
 @dataclass(frozen=True)

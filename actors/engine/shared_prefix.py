@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -72,6 +73,11 @@ def prefix_groups(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     return groups
 
 
+def _row_prefix_lens(groups: list[tuple[int, int, int]]) -> list[int]:
+    """Per row (in order), the length of its group's shared prefix."""
+    return [shared for first, end, shared in groups for _ in range(first, end)]
+
+
 def _row_starts(lengths: Sequence[int]) -> list[int]:
     """[0, l_0, l_0 + l_1, ..., T]: where each row starts in the packed tokens."""
     starts = [0]
@@ -110,6 +116,7 @@ def shared_layout(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
             suffix_ids.append(tokens[row_starts[row] + shared:row_starts[row + 1]])
             suffix_positions.append(_arange_from(shared, n_suffix))
             suffix_lens.append(n_suffix)
+            # A row in compact positions: its group's prefix, then its own suffix.
             index += [prefix_index, _arange_from(suffix_pos, n_suffix)]
             first_suffix.append(row_starts[row] + shared)
             head_rows.append(prefix_pos + shared - 1)
@@ -122,9 +129,15 @@ def shared_layout(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     cu = torch.zeros(len(seg_lengths) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(seg_lengths, dtype=torch.int64), 0)
     group_suffix = [b - a for a, b in zip(cu_suffix[:-1], cu_suffix[1:])]
+    # Keys of each sequence of the stream: a prefix its own tokens, a suffix its row whole.
+    history_lens = prefix_lens + [a + b for a, b in zip(suffix_lens, _row_prefix_lens(groups))]
+    history = torch.cat([_arange_from(a, b - a) for a, b in pairwise(cu_prefix)] + index)
+    cu_history = torch.zeros(len(history_lens) + 1, dtype=torch.int32)
+    cu_history[1:] = torch.cumsum(torch.tensor(history_lens, dtype=torch.int32), 0)
     spans = PrefixSpans(n_prefix, torch.tensor(cu_prefix, dtype=torch.int32, device=device),
                         torch.tensor(cu_suffix, dtype=torch.int32, device=device), max(prefix_lens),
-                        max(group_suffix), torch.tensor(head_rows, dtype=torch.int64, device=device))
+                        max(group_suffix), torch.tensor(head_rows, dtype=torch.int64, device=device),
+                        history.to(device), cu_history.to(device), max(history_lens))
     packed = PackedBatch(cu.to(device=device, dtype=torch.int32), torch.cat(positions + suffix_positions).to(device),
                          max(seg_lengths), spans)
     first_index = torch.tensor(first_suffix, dtype=torch.int64)

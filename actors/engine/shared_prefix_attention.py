@@ -2,7 +2,14 @@
 
 The stream (actors.engine.shared_prefix) is [prefixes | suffixes]: each prefix and each suffix
 is causal within itself, and a suffix token also sees its group's whole prefix. On CUDA that is
-two FlashAttention calls and a merge, the cascade the decode kernels use (actors.kernels):
+one FlashAttention varlen call (`history_attention`): each suffix's keys are gathered as its
+row whole (its group's prefix, then itself; `PrefixSpans.history`) and the mask is causal aligned
+at the bottom right, so a prefix's queries run once and its keys once per row. Elsewhere (the
+"sdpa" backend) one SDPA call with the stream's dense mask.
+
+Until the fifteenth step of issue 27 the CUDA path was a cascade, kept here for
+benchmarks/train_attention_bench.py to compare against (one peer-bench micro-batch on an H200:
+the cascade 2.05 ms per layer forward + backward, FlashAttention over the rows whole 1.51 ms):
 
   self:  causal attention of every token within its own sequence of the stream -> (o_s, lse_s)
   cross: each group's suffix tokens (all its rows, one query sequence) over its prefix, no mask
@@ -15,7 +22,6 @@ keys and the row term D = rowsum(dO * O) of the full attention, so the two backw
 add up to the full dQ and each gives its keys' dK, dV (as ring attention does across devices).
 `CascadeKernels` holds the forward and backward primitives: torch's FlashAttention ops on CUDA,
 and a dense float32 reference (`REFERENCE_KERNELS`) that the CPU tests run the same cascade with.
-Elsewhere (the "sdpa" backend) one SDPA call with the stream's dense mask.
 
 Shapes: q [T_c, Hq, D]; k, v [T_c, Hkv, D]; lse [Hq, T] float32 (FlashAttention's varlen layout).
 """
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from actors.engine.attention import packed_causal_mask, resolve_backend, varlen_gqa_mode
+from actors.engine.attention import attention_over_history, packed_causal_mask, resolve_backend
 from actors.engine.fusion import fused
 from actors.engine.packing import PackedBatch
 
@@ -189,6 +195,38 @@ def cascade_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, kerne
     return _CascadeAttention.apply(q, k, v, batch, kernels)
 
 
+class _GatherRows(torch.autograd.Function):
+    """x[index] along dim 0; backward sums the gradients of repeated rows in float32 (a prefix
+    key's gradient is the sum over its group's rows: summed in bf16 it would round at each add)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.shape = x.shape
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        (index,) = ctx.saved_tensors
+        summed = torch.zeros(ctx.shape, dtype=_work_dtype(grad), device=grad.device)
+        return summed.index_add_(0, index, grad.to(summed.dtype)).to(grad.dtype), None
+
+
+def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Tensor:
+    """[T_c, Hq, D] attention of a compact stream in one varlen call: K/V gathered per sequence
+    (a suffix's keys are its group's prefix, then its own tokens: `PrefixSpans.history`), causal
+    aligned at the bottom right. Against the cascade (two FlashAttention calls and a merge) it
+    computes the prefix keys' scores once per row instead of once per group, in one kernel whose
+    backward has every row's work in parallel; the cascade's cross call over a group's 4,096
+    completion tokens and 128 prompt keys is what made it slower (fifteenth step's bench)."""
+    spans = batch.shared_prefix
+    if spans is None:
+        raise ValueError("history_attention: the packed batch has no shared_prefix spans")
+    k_rows, v_rows = _GatherRows.apply(k, spans.history), _GatherRows.apply(v, spans.history)  # [T_k, Hkv, D]
+    return attention_over_history(q, k_rows, v_rows, batch.cu_seqlens, spans.cu_history, batch.max_seqlen,
+                                  spans.max_history)
+
+
 def shared_prefix_mask(batch: PackedBatch) -> Tensor:
     """bool [T_c, T_c]: causal within each sequence of the stream, plus suffix -> own group's prefix."""
     spans = batch.shared_prefix
@@ -211,10 +249,7 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch,
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     name = resolve_backend(backend, q.device, q.dtype)
     if name in ("varlen", "flash"):
-        if k.shape[1] != q.shape[1] and varlen_gqa_mode(q.device) == "repeat":
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return cascade_attention(q, k, v, batch, FLASH_KERNELS)
+        return history_attention(q, k, v, batch)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=shared_prefix_mask(batch), scale=q.shape[-1] ** -0.5, enable_gqa=k.shape[1] != q.shape[1])
@@ -223,5 +258,5 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch,
 
 __all__ = [
     "FLASH_KERNELS", "REFERENCE_KERNELS", "CascadeKernels", "cascade_attention", "merge_partials",
-    "shared_prefix_attention", "shared_prefix_mask",
+    "history_attention", "shared_prefix_attention", "shared_prefix_mask",
 ]

@@ -14,6 +14,7 @@ from actors.engine.shared_prefix import prefix_groups, shared_layout
 from actors.engine.shared_prefix_attention import (
     REFERENCE_KERNELS,
     cascade_attention,
+    history_attention,
     merge_partials,
     shared_prefix_attention,
 )
@@ -54,6 +55,10 @@ def test_layout_holds_each_prompt_once_and_maps_back_to_rows() -> None:
     assert torch.equal(packed.positions[rows.compact_index], row_positions)
     # The extra head rows are each row's group's last prompt token; their targets the first answers.
     assert spans.head_rows.tolist() == [3, 3, 3, 7, 12, 12, 15]
+    # Keys per sequence: the 4 prefixes, then each row whole (its group's prefix and its suffix).
+    assert torch.equal(spans.history, torch.cat((torch.arange(16), rows.compact_index)))
+    assert spans.cu_history.tolist() == [0, 4, 8, 13, 16, *(16 + torch.tensor(lengths).cumsum(0)).tolist()]
+    assert spans.max_history == max(lengths)
     assert torch.equal(rows.first_targets, tokens[rows.first_suffix])
     assert shared_layout(tokens[:8], (4, 4), (4, 4), "cpu") is None  # A and D: nothing shared
 
@@ -64,7 +69,7 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: t
     return packed_attention(q[index], k[index], v[index], PackedBatch.from_lengths(list(lengths)), "sdpa")
 
 
-@pytest.mark.parametrize("way", ["mask", "cascade"])
+@pytest.mark.parametrize("way", ["mask", "cascade", "history"])
 def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
     tokens, lengths, prompts = make_rows(1)
     _, packed, rows = shared_layout(tokens, lengths, prompts, "cpu")
@@ -73,6 +78,8 @@ def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
     q, k, v = (torch.randn(n, heads, 8, dtype=torch.float64, generator=gen).requires_grad_() for heads in (4, 2, 2))
     if way == "mask":
         out = shared_prefix_attention(q, k, v, packed, "sdpa")
+    elif way == "history":  # the CUDA path's gather and bounds, through SDPA with their mask here
+        out = history_attention(q, k, v, packed)
     else:
         out = cascade_attention(q, k, v, packed, REFERENCE_KERNELS)
     expected = _row_attention(q, k, v, lengths, rows.compact_index)
