@@ -32,12 +32,16 @@ from planning.hardware import HardwareSpec
 from planning.layout import Layout
 from planning.offload import optimizer_parts
 
-# HBM bytes moved per cached value an attention reads from an e4m3 (FP8) KV cache. The Triton
-# decode kernel loads it as it is, on GPUs with e4m3 (HardwareSpec.fp8_matmul: compute capability
-# 8.9 on). Elsewhere decode runs SDPA on a widened copy: read 1, write 2, read 2. A multi-turn
+# HBM bytes moved per cached value an attention reads from an e4m3 (FP8) KV cache, as time: what
+# a bf16 cache's read of that many bytes per value would take. The Triton decode kernel loads it
+# as it is, on GPUs with e4m3 (HardwareSpec.fp8_matmul: compute capability 8.9 on): one byte, but
+# measured no faster than a bf16 cache (H200, 2026-12-05, generate_bench.py --grpo-step: decode
+# 2.055 s bf16, 2.054 s with the e4m3 cache; the kernel reads its half-size cache at ~60% of HBM
+# where the bf16 one reaches ~95%), so it is priced as 2 until the kernel is tuned for it.
+# Elsewhere decode runs SDPA on a widened copy: read 1, write 2, read 2. A multi-turn
 # observation prefill always gathers the history token-major first (its in-place FlashAttention
 # read takes the queries' dtype only): read 1, write 1, then widen and attend as above.
-E4M3_TRITON_READ_BYTES = 1.0
+E4M3_TRITON_READ_BYTES = 2.0
 E4M3_WIDENED_READ_BYTES = 5.0
 E4M3_GATHERED_READ_BYTES = 7.0
 

@@ -102,7 +102,7 @@ def test_fp8_decode_is_priced_on_the_mlps_and_head_and_holds_their_copies(tmp_pa
     assert 0.05 < saved < 0.3
 
 
-def test_an_fp8_kv_cache_halves_its_bytes_and_its_reads(tmp_path: Path) -> None:
+def test_an_fp8_kv_cache_halves_its_bytes_and_prices_its_reads_as_measured(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(BASE + "sampling: {kv_cache_dtype: fp8}\n")
     marked = build_graph(load_config(path))
@@ -114,7 +114,10 @@ def test_an_fp8_kv_cache_halves_its_bytes_and_its_reads(tmp_path: Path) -> None:
                  for f in (False, True))
     assert fp8["kv_cache_bytes"] == pytest.approx(bf16["kv_cache_bytes"] / 2)
     assert fp8["prefill_s"] == bf16["prefill_s"] and fp8["weights_bytes"] == bf16["weights_bytes"]
-    assert 0.1 < 1 - fp8["decode_s"] / bf16["decode_s"] < 0.5  # the attention's share of a step, halved
+    # Reads priced at E4M3_TRITON_READ_BYTES per value: on the H200 the kernel was measured no
+    # faster than over a bf16 cache, so the decode term stays; a cheaper read would lower it.
+    read_share = E4M3_TRITON_READ_BYTES / 2.0
+    assert fp8["decode_s"] <= bf16["decode_s"] and (fp8["decode_s"] < bf16["decode_s"]) == (read_share < 1)
 
 
 def test_fp8_copies_are_priced_only_for_weights_the_worker_can_quantize() -> None:
@@ -158,5 +161,5 @@ def test_an_fp8_cache_without_e4m3_hardware_is_priced_as_the_widening_it_costs()
                  for f in (False, True))
     assert fp8["decode_s"] > bf16["decode_s"]
     assert fp8["kv_cache_bytes"] == pytest.approx(bf16["kv_cache_bytes"] / 2)
-    assert kv_read_bytes(True, H200) == E4M3_TRITON_READ_BYTES < 2.0 < kv_read_bytes(True, no_e4m3.cluster.hardware)
+    assert kv_read_bytes(True, H200) == E4M3_TRITON_READ_BYTES <= 2.0 < kv_read_bytes(True, no_e4m3.cluster.hardware)
     assert kv_read_bytes(True, no_e4m3.cluster.hardware) == E4M3_WIDENED_READ_BYTES
