@@ -13,7 +13,6 @@ import math
 
 from planning.cost_multiturn import observation_bytes, observation_parts, trajectory
 from planning.cost_terms import (
-    CASCADE_OVERHEAD_KERNELS,
     GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
     OPTIMIZER_TRAFFIC_PER_PARAM,
     SAMPLING_BYTES_PER_LOGIT,
@@ -44,6 +43,13 @@ from planning.offload import optimizer_parts
 E4M3_TRITON_READ_BYTES = 2.0
 E4M3_WIDENED_READ_BYTES = 5.0
 E4M3_GATHERED_READ_BYTES = 7.0
+
+# A forward over shared prompts (actors.engine.shared_prefix_attention) adds per block, micro-batch
+# and pass the fixed time of about this many kernel launches (`HardwareSpec.kernel_overhead_s`):
+# measured for the cascade (a second FlashAttention call, the merge, two copies; 240-480 us per
+# block and micro-batch on an H200, docs/benchmarks.md, seventh step). Its successor, the K/V
+# gather and one varlen call (fifteenth step), is priced the same until a device measures it.
+CASCADE_OVERHEAD_KERNELS = 5
 
 
 def kv_read_bytes(fp8_cache: bool, hw: HardwareSpec, observation: bool = False) -> float:

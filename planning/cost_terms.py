@@ -74,12 +74,6 @@ FP8_DECODE_SPEEDUP = 1.9
 # torch._scaled_mm takes e4m3 weights whose two dims are multiples of 16; the worker keeps any
 # other weight in bf16 (actors.generation.fp8_weights.FP8_ALIGN, which a test holds equal).
 FP8_ALIGN = 16
-# A forward over shared prompts (actors.engine.shared_prefix_attention) runs per block and
-# micro-batch a second FlashAttention call, the merge and two copies, and as many again in the
-# backward: fixed time of about this many kernel launches per block, micro-batch and pass
-# (`HardwareSpec.kernel_overhead_s`; 240-480 us per block and micro-batch measured on an H200
-# across seven shared forwards of 0.5B and 1B models, docs/benchmarks.md, seventh step).
-CASCADE_OVERHEAD_KERNELS = 5
 
 
 @dataclass(frozen=True)

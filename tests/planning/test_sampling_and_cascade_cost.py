@@ -12,9 +12,13 @@ from app.config import load_config
 from app.config.problem import build_graph
 from planning.algorithm_graphs import grpo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
-from planning.cost_passes import E4M3_TRITON_READ_BYTES, E4M3_WIDENED_READ_BYTES, kv_read_bytes
-from planning.cost_terms import (
+from planning.cost_passes import (
     CASCADE_OVERHEAD_KERNELS,
+    E4M3_TRITON_READ_BYTES,
+    E4M3_WIDENED_READ_BYTES,
+    kv_read_bytes,
+)
+from planning.cost_terms import (
     FUSED_SAMPLING_BYTES_PER_LOGIT,
     SAMPLING_PASSES,
     Links,
