@@ -46,6 +46,11 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
   tests/actors/generation/test_fp8_weights.py tests/actors/kernels/test_decode_attention.py
 [[ $only == *fp8* ]] && LIMIT=${FP8_LIMIT:-240} run generate_fp8 python3 benchmarks/generate_bench.py --grpo-step \
   --modes ${FP8_MODES:-graph+compile,graph+compile+fp8,graph+compile+fp8kv,graph+compile+fp8+fp8kv}
+# The decode attention kernel's launch configs on the peer bench's decode, for an e4m3 and a bf16
+# cache (one H200, ~2 minutes): which configs an e4m3 cache wants (it read at ~60% of HBM with
+# the bf16-tuned candidates, fifteenth step of issue 27).
+[[ $only == *kvsweep* ]] && for c in fp8 bf16; do LIMIT=${KVSWEEP_LIMIT:-200} run kv_sweep_$c python3 \
+  benchmarks/decode_attention_bench.py --sweep --cache-dtype $c; done
 # Training attention of one peer-bench micro-batch by kernel (FlashAttention 2 cascade, whole rows,
 # cuDNN varlen and dense; seconds): is there a faster kernel for the step's 421 ms of attention?
 [[ $only == *trainattn* ]] && run train_attention python3 benchmarks/train_attention_bench.py

@@ -14,12 +14,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_tiny(script: str) -> list[str]:
-    """stdout lines of `python benchmarks/<script> --tiny` (plus --cpu without CUDA); fails the
-    test with the end of stderr when the script fails."""
+def run_tiny(script: str, *extra: str) -> list[str]:
+    """stdout lines of `python benchmarks/<script> --tiny [extra...]` (plus --cpu without CUDA);
+    fails the test with the end of stderr when the script fails."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     mode = ["--tiny"] if torch.cuda.is_available() else ["--cpu", "--tiny"]
-    done = subprocess.run([sys.executable, f"benchmarks/{script}", *mode], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", *mode, *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
