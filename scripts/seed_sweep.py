@@ -7,8 +7,8 @@ its check, sweep it:
 
     python3 scripts/seed_sweep.py examples/remax-tiny.yaml --seeds 0-15 [key.path=value ...]
 
-Each seed runs as `python -m app train` would (one local Ray instance for all of them, 4 virtual
-GPUs on CPU), in a temporary run directory. One line per seed, then the worst rise: mean reward
+Each seed runs as `python -m app train` would, in a temporary run directory, on one Ray for all
+of them: started or joined once as the config's `cluster` section says (`app.run.runtime.connect_cluster`). One line per seed, then the worst rise: mean reward
 of the last 5 iterations minus that of the first 5.
 """
 
@@ -74,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"config {args.config}: no such file")
     import ray
 
-    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    from app.config import ConfigError, load_config
+    from app.run.runtime import connect_cluster
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as exc:  # an unknown key or a bad value: one line, status 2
+        parser.error(" ".join(str(exc).split()))
+    connect_cluster(cfg)  # each Driver then finds Ray running
     rises = []
     for seed in seeds:
         rewards = run_seed(args.config, seed, args.overrides)

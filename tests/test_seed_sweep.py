@@ -51,7 +51,8 @@ def test_sweep_runs_each_seed_and_names_the_worst(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_bad_arguments_exit_2_naming_them(tmp_path: Path) -> None:
     for args, expected in (([str(tmp_path / "none.yaml")], "no such file"),
-                           ([str(ROOT / "examples" / "grpo-tiny.yaml"), "--seeds", "2-1"], "runs backwards")):
+                           ([str(ROOT / "examples" / "grpo-tiny.yaml"), "--seeds", "2-1"], "runs backwards"),
+                           ([str(ROOT / "examples" / "grpo-tiny.yaml"), "run.iterationz=3"], "iterationz")):
         done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
                               check=False)
         assert done.returncode == 2 and expected in done.stderr
