@@ -53,7 +53,7 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
   benchmarks/decode_attention_bench.py --sweep --cache-dtype $c; done
 # Training attention of one peer-bench micro-batch by kernel (FlashAttention 2 cascade, whole rows,
 # cuDNN varlen and dense; seconds): is there a faster kernel for the step's 421 ms of attention?
-[[ $only == *trainattn* ]] && run train_attention python3 benchmarks/train_attention_bench.py
+[[ $only == *trainattn* ]] && run train_attention python3 benchmarks/train_attention_bench.py ${TRAINATTN_ARGS:-}
 # Optional second reallocation run with other settings, e.g. REALLOC_ARGS="--pull off".
 [[ $only == *realloc* && -n ${REALLOC_ARGS:-} ]] && run realloc_b python3 benchmarks/realloc_bench.py $REALLOC_ARGS
 # Measured hardware + cost-model efficiencies for plan.profile (python -m app profile, 2 ranks on 2 GPUs).

@@ -19,6 +19,11 @@ Ways, each timed as forward + backward of one layer (median of --reps, CUDA even
   cudnn cascade  the cascade with cuDNN's varlen forward/backward instead of FA2's
   history        the engine's path: one FA2 varlen call (torch's varlen_attn) over K/V gathered
                  per row, a completion's keys its prompt and itself (history_attention)
+  history aten   the same kernel calls without torch's varlen_attn, the autograd gather and the
+                 float32 sum: aten's FA2 forward and backward on the gathered K/V, which shows
+                 whether the kernel or what surrounds it costs the time
+--profile WAYS (comma-separated names, or "all") prints each named way's CUDA kernels by time per
+step (torch.profiler over 5 steps).
 Each line gives ms per layer, TFLOP/s on the FLOPs the way runs (forward 4 * S_q * S_k * D * H,
 halved where causal; backward 2.5x forward) and the same times 16 layers x 16 micro-batches (the
 training step's attention, 421 ms in the profile of the ninth step). A way that fails prints why.
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU: the reference cascade only")
     parser.add_argument("--tiny", action="store_true", help="2 prompts x 2 rows, 8 + 8 tokens, 4/2 heads, dim 8")
+    parser.add_argument("--profile", default="", metavar="WAYS",
+                        help="comma-separated way names (or 'all'): print their CUDA kernels by time per step")
     return parser.parse_args(argv)
 
 
@@ -217,6 +224,47 @@ def history_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.devi
     return step
 
 
+def history_aten_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """history's kernels alone: K/V gathered by index, aten's FA2 forward and backward (CUDA only)."""
+    batch = cascade_batch(s, device)
+    spans = batch.shared_prefix
+    assert spans is not None
+    take, back = compact_index(s, device)
+    q, k, v = (t[take].contiguous() for t in rows)
+    scale, empty = s["dim"] ** -0.5, torch.empty(0, device=device)
+    cu_q, cu_k, max_q, max_k = batch.cu_seqlens, spans.cu_history, batch.max_seqlen, spans.max_history
+
+    def step() -> torch.Tensor:
+        k_rows, v_rows = k.index_select(0, spans.history), v.index_select(0, spans.history)
+        out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(q, k_rows, v_rows, cu_q, cu_k, max_q, max_k,
+                                                                      0.0, True, False, scale=scale)
+        torch.ops.aten._flash_attention_backward(torch.ones_like(out), q, k_rows, v_rows, out, lse, cu_q, cu_k,
+                                                 max_q, max_k, 0.0, True, rng, empty, scale=scale)
+        return out[back]
+    return step
+
+
+def profile_kernels(name: str, step: Callable[[], torch.Tensor], steps: int = 5, top: int = 8) -> None:
+    """Print the way's CUDA kernels by device time per step (the largest `top`, then the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    print(f"profile of {name}: {total:.3f} ms of kernels per step")
+    for e in kernels[:top]:
+        print(f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3d} {e.key[:100]}")
+    rest = sum(e.self_device_time_total for e in kernels[top:]) / steps / 1e3
+    if rest:
+        print(f"  {rest:8.3f} ms  the other {len(kernels) - top} kernels")
+
+
 def rows_cu(s: dict[str, int], device: torch.device) -> tuple[torch.Tensor, int]:
     n_rows, length = s["prompts"] * s["group"], s["prompt"] + s["completion"]
     return torch.arange(n_rows + 1, device=device, dtype=torch.int32) * length, length
@@ -276,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
         "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device)}
     if device.type == "cuda":
-        ways |= {"fa2 rows": lambda: fa2_rows_step(s, rows, device),
+        ways |= {"history aten": lambda: history_aten_step(s, rows, device),
+                 "fa2 rows": lambda: fa2_rows_step(s, rows, device),
                  "cudnn rows (8 kv heads)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=False),
                  "cudnn rows (kv repeated)": lambda: cudnn_rows_step(s, rows, device, repeat_kv=True),
                  "cudnn dense": lambda: cudnn_dense_step(s, rows, device),
@@ -290,11 +339,13 @@ def main(argv: list[str] | None = None) -> None:
             step = build()
             error = (step().float() - expected).abs().max().item()
             ms = time_ms(step, args.reps, device)
+            if device.type == "cuda" and (args.profile == "all" or name in args.profile.split(",")):
+                profile_kernels(name, step)
         except Exception as exc:  # noqa: BLE001 - a kernel this torch/GPU lacks: say why, go on
             print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             traceback.print_exc(limit=2)
             continue
-        tflops = flops(s, "cascade" if "cascade" in name or name == "history" else "rows") / ms / 1e9
+        tflops = flops(s, "cascade" if "cascade" in name or name.startswith("history") else "rows") / ms / 1e9
         table.append((name, error, ms, tflops))
     if _CUDNN_LSE_SHAPE:
         print(f"cuDNN varlen lse layout: {_CUDNN_LSE_SHAPE['native']}")

@@ -276,24 +276,31 @@ class ModelEngine:
         return self._reduce_metrics(sums)
 
     def _reduce_metrics(self, sums: list[LossSums]) -> tuple[dict[str, float], float]:
-        """Sum the last stage's loss sums over micro-batches and dp, share them along the pipeline."""
+        """Sum the last stage's loss sums over micro-batches and dp (maxima: their max), share them
+        along the pipeline. Returns (loss and stats divided by the global count, maxima as they
+        are; the global count)."""
         g = self.groups
         payload: list[object] = [None]
         if g.is_last_stage:
-            keys = sorted(sums[0].stats)
+            keys, max_keys = sorted(sums[0].stats), sorted(sums[0].maxima)
             values = torch.stack([
                 torch.stack([s.loss.detach().float(), s.count.float(), *[s.stats[k].float() for k in keys]])
                 for s in sums
             ]).sum(dim=0)
+            maxima = (torch.stack([torch.stack([s.maxima[k].float() for k in max_keys]) for s in sums]).amax(dim=0)
+                      if max_keys else None)
             if g.dp_group is not None:
                 dist.all_reduce(values, group=g.dp_group)
-            payload = [(keys, values.tolist())]
+                if maxima is not None:
+                    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=g.dp_group)
+            payload = [(keys, values.tolist(), max_keys, [] if maxima is None else maxima.tolist())]
         if g.pp_group is not None:
             dist.broadcast_object_list(payload, src=g.last_stage_rank, group=g.pp_group)
-        keys, values = payload[0]
+        keys, values, max_keys, max_values = payload[0]
         loss, count, stats = values[0], values[1], values[2:]
         denom = count if count > 0 else 1.0
-        metrics = {"loss": loss / denom, "count": count, **{k: v / denom for k, v in zip(keys, stats)}}
+        metrics = {"loss": loss / denom, "count": count, **{k: v / denom for k, v in zip(keys, stats)},
+                   **dict(zip(max_keys, max_values))}
         return metrics, count
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, n_micro: int = 1, temperature: float = 1.0,

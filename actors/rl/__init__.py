@@ -23,7 +23,7 @@ from actors.rl.advantages import (
     sequence_ids,
     token_level_rewards,
 )
-from actors.rl.importance import IS_LEVELS, truncated_is_weights
+from actors.rl.importance import IS_LEVELS, truncated_is_terms, truncated_is_weights
 from actors.rl.losses import (
     LossSums,
     aggregate,
@@ -58,5 +58,5 @@ __all__ = [
     "LossSums", "aggregate", "combine_losses", "dpo_loss", "entropy_term", "gspo_policy_loss", "kl_loss",
     "kl_penalty", "ppo_policy_loss", "sequence_logprob_sums", "sft_loss", "value_loss",
     # importance.py
-    "IS_LEVELS", "truncated_is_weights",
+    "IS_LEVELS", "truncated_is_terms", "truncated_is_weights",
 ]

@@ -16,6 +16,7 @@ The engine instead divides by the count of the whole optimiser step:
 which gives exactly the token-mean over the global mini-batch ("token-mean"), or the sequence
 mean ("seq-mean-token-mean", each sequence's token-mean weighted equally, count = sequences).
 Statistics are reported the same way: stats[k] / count after summing both over micro-batches.
+A statistic that is a largest value (`maxima`) is reduced by max instead and reported as it is.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ class LossSums:
     """A loss and its statistics as sums over `count` tokens or sequences.
 
     loss: scalar tensor carrying the gradient. count: scalar float tensor (tokens for token-mean,
-    sequences otherwise). stats: detached scalar sums, e.g. {"pg_clipfrac": 12.0}.
+    sequences otherwise). stats: detached scalar sums, e.g. {"pg_clipfrac": 12.0}. maxima:
+    detached scalar largest values (combined by max, never divided), e.g. {"rollout_is_max": 3.1}.
     """
 
     loss: Tensor
     count: Tensor
     stats: dict[str, Tensor] = field(default_factory=dict)
+    maxima: dict[str, Tensor] = field(default_factory=dict)
 
     def mean(self) -> Tensor:
         """loss / count for a single micro-batch (count clamped to >= 1 for empty masks)."""
@@ -54,11 +57,13 @@ class LossSums:
         return {name: float(value) / denom for name, value in self.stats.items()}
 
     def __add__(self, other: LossSums) -> LossSums:
-        """Combine two micro-batches (or DP ranks) by adding sums and counts."""
-        if set(self.stats) != set(other.stats):
-            raise ValueError(f"stats keys differ: {sorted(self.stats)} vs {sorted(other.stats)}")
+        """Combine two micro-batches (or DP ranks) by adding sums and counts (maxima: the larger)."""
+        if set(self.stats) != set(other.stats) or set(self.maxima) != set(other.maxima):
+            raise ValueError(f"stats keys differ: {sorted(self.stats) + sorted(self.maxima)} vs "
+                             f"{sorted(other.stats) + sorted(other.maxima)}")
         stats = {k: self.stats[k] + other.stats[k] for k in self.stats}
-        return LossSums(self.loss + other.loss, self.count + other.count, stats)
+        maxima = {k: torch.maximum(self.maxima[k], other.maxima[k]) for k in self.maxima}
+        return LossSums(self.loss + other.loss, self.count + other.count, stats, maxima)
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
@@ -308,13 +313,15 @@ def combine_losses(terms: list[tuple[float, LossSums]]) -> LossSums:
     if not terms:
         raise ValueError("terms: empty; need at least one loss term")
     stats: dict[str, Tensor] = {}
+    maxima: dict[str, Tensor] = {}
     for _, term in terms:
-        clash = set(stats) & set(term.stats)
+        clash = (set(stats) | set(maxima)) & (set(term.stats) | set(term.maxima))
         if clash:
             raise ValueError(f"terms: statistic names {sorted(clash)} appear in more than one term")
         stats.update(term.stats)
+        maxima.update(term.maxima)
     loss = sum((weight * term.loss for weight, term in terms[1:]), terms[0][0] * terms[0][1].loss)
-    return LossSums(loss, terms[0][1].count, stats)
+    return LossSums(loss, terms[0][1].count, stats, maxima)
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor, agg: str = "token-mean",

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from actors.rl import truncated_is_weights
+from actors.rl import truncated_is_terms, truncated_is_weights
 from actors.worker.calls import CallContext, micro_batching
 from actors.worker.rollout import Rollout, prompt_batch
 
@@ -26,7 +26,8 @@ def reuses_forward_logprobs(params: dict[str, Any]) -> bool:
     optimizer step runs its forward on exactly the weights the recomputation would use, so the
     two are the same numbers (up to float summation order) and the extra pass over every token
     is wasted work. TRL (num_iterations=1, one step per generation) and veRL do the same.
-    `train_actor` also needs no importance weights and no old logprobs computed beforehand."""
+    `train_actor` also needs no old logprobs computed beforehand; importance weights, when on,
+    come from the same forward (`forward_is_terms`)."""
     return (bool(params.get("recompute_logprobs", True)) and int(params.get("ppo_minibatches", 1)) == 1
             and int(params.get("ppo_epochs", 1)) == 1)
 
@@ -66,4 +67,36 @@ def importance_weights(ctx: CallContext, r: Rollout, old: Tensor) -> tuple[Tenso
     return weights, {f"actor/{k}": v for k, v in stats.items()}
 
 
-__all__ = ["behaviour_logprobs", "importance_weights", "logprobs_before_step", "reuses_forward_logprobs"]
+# Statistics of the importance weights a reused forward computes per micro-batch (`forward_is_terms`):
+# sums the engine divides by one global count, so their ratios are exact (`forward_is_metrics`).
+_IS_SUMS = ("is_weight_sum", "is_tokens", "is_truncated_tokens")
+
+
+def forward_is_terms(old: Tensor, data: dict[str, Tensor], level: str,
+                     threshold: float) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """Truncated importance weights [T_mb] of this forward's own detached logprobs `old` over the
+    sampling logprobs (data["sample_logprobs"]), as `importance_weights` would compute them from
+    a separate forward; with their sums over the micro-batch's response tokens (`_IS_SUMS`) and
+    its largest weight before truncation. Sequence level needs whole rows in the micro-batch,
+    which the engine's split guarantees."""
+    mask = data["mask"]
+    weights, raw = truncated_is_terms(old, data["sample_logprobs"], mask, data["cu_seqlens"], level, threshold)
+    m = mask.float()
+    sums = {"is_weight_sum": weights.sum(), "is_tokens": m.sum(),
+            "is_truncated_tokens": ((raw > threshold) & (m > 0)).float().sum()}
+    return weights, sums, {"rollout_is_max": raw.max() if raw.numel() else raw.new_zeros(())}
+
+
+def forward_is_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` of one optimizer step with the `_IS_SUMS` statistics turned into
+    actor/rollout_is_mean and actor/rollout_is_truncated (fractions of response tokens, as
+    `truncated_is_weights` reports them; both sums carry the same divisor, so it cancels)."""
+    out = {k: v for k, v in metrics.items() if k.removeprefix("actor/") not in _IS_SUMS}
+    tokens = metrics["actor/is_tokens"]
+    out["actor/rollout_is_mean"] = metrics["actor/is_weight_sum"] / tokens if tokens > 0 else 0.0
+    out["actor/rollout_is_truncated"] = metrics["actor/is_truncated_tokens"] / tokens if tokens > 0 else 0.0
+    return out
+
+
+__all__ = ["behaviour_logprobs", "forward_is_metrics", "forward_is_terms", "importance_weights",
+           "logprobs_before_step", "reuses_forward_logprobs"]

@@ -22,11 +22,12 @@ the same rewards), otherwise recomputed here under the train layout (recompute_l
 default). With an identical actor and reference the KL is then exactly 0. Truncated importance
 weights (actors.rl.importance) correct the policy loss for the gap between the two.
 
-When nothing needs them before the step (no KL penalty in the reward, no importance weights) and
-there is one minibatch and one epoch, the actor takes its old logprobs from its training forward
-(detached) instead of a separate forward pass over every token: that step's weights are the ones
-the recomputation would use, so the ratios are exactly 1 and the gradient is the recomputing
-path's (`reuses_forward_logprobs`). With more minibatches or epochs the weights move between
+When nothing needs them before the step (no KL penalty in the reward) and there is one minibatch
+and one epoch, the actor takes its old logprobs from its training forward (detached) instead of a
+separate forward pass over every token: that step's weights are the ones the recomputation would
+use, so the ratios are exactly 1 and the gradient is the recomputing path's
+(`reuses_forward_logprobs`). Truncated importance weights (FP8 rollouts) are then computed per
+micro-batch from the same detached logprobs (`forward_is_terms`). With more minibatches or epochs the weights move between
 steps and the old logprobs are recomputed first.
 """
 
@@ -60,6 +61,8 @@ from actors.rl import (
 )
 from actors.worker.behaviour import (
     behaviour_logprobs,
+    forward_is_metrics,
+    forward_is_terms,
     importance_weights,
     logprobs_before_step,
     reuses_forward_logprobs,
@@ -179,15 +182,14 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
 
 
 POLICY_LOSSES = ("ppo", "gspo")
-
-
 def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> LossFn:
     """Clipped PPO surrogate, or GSPO's sequence-level one (params['policy_loss']), weighted by the
     truncated importance weights when given (+ entropy bonus, + a KL loss) on one micro-batch.
 
     old_from_forward: the old logprobs are this forward's own, detached (`reuses_forward_logprobs`),
     so every ratio is exactly 1; the statistic old_logprob_diff then compares them with the
-    sampling logprobs (token data "sample_logprobs") as the recomputing path does afterwards.
+    sampling logprobs (token data "sample_logprobs") as the recomputing path does afterwards, and
+    with params['rollout_is'] set the importance weights come from them too (`forward_is_terms`).
     """
     kind = str(params.get("policy_loss", "ppo"))
     if kind not in POLICY_LOSSES:
@@ -199,10 +201,16 @@ def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> Lo
     entropy_coef = float(params.get("entropy_coef", 0.0))
     kl_coef = float(params.get("kl_loss_coef", 0.0))
     estimator = str(params.get("kl_loss_estimator", "low_var_kl"))
+    is_level = params.get("rollout_is") if old_from_forward else None
+    is_threshold = float(params.get("rollout_is_threshold", 2.0))
 
     def loss(logprobs: Tensor, data: dict[str, Tensor]) -> LossSums:
         cu, mask, weights = data["cu_seqlens"], data["mask"], data.get("is_weights")
         old = logprobs.detach() if old_from_forward else data["old_logprobs"]
+        is_sums: dict[str, Tensor] = {}
+        maxima: dict[str, Tensor] = {}
+        if is_level is not None:
+            weights, is_sums, maxima = forward_is_terms(old, data, str(is_level), is_threshold)
         if kind == "gspo":
             pg = gspo_policy_loss(logprobs, old, data["advantages"], mask, cu, clip_eps, clip_high, agg, weights)
         else:
@@ -216,7 +224,8 @@ def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> Lo
         if not old_from_forward:
             return total
         diff, _ = aggregate((old - data["sample_logprobs"]).abs(), mask, agg, cu)
-        return LossSums(total.loss, total.count, {**total.stats, "old_logprob_diff": diff})
+        return LossSums(total.loss, total.count, {**total.stats, "old_logprob_diff": diff, **is_sums},
+                        {**total.maxima, **maxima})
 
     return loss
 
@@ -225,10 +234,9 @@ def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[st
                 old: Tensor | None = None) -> tuple[dict, None]:
     """Policy optimisation on `advantages` [T] (shared by every actor op); old: the behaviour
     logprobs [T] when the caller already has them (`behaviour_logprobs`). Otherwise they are
-    the actor_inf call's, taken from the training forward (`reuses_forward_logprobs`), or
-    recomputed first."""
-    reuse = (old is None and r.old_logprobs is None and ctx.params.get("rollout_is") is None
-             and reuses_forward_logprobs(ctx.params))
+    the actor_inf call's, taken from the training forward (`reuses_forward_logprobs`; the
+    importance weights then too), or recomputed first."""
+    reuse = old is None and r.old_logprobs is None and reuses_forward_logprobs(ctx.params)
     token_data = {"mask": r.mask, "advantages": advantages * r.mask}
     is_metrics: dict[str, float] = {}
     if reuse:
@@ -246,6 +254,8 @@ def train_actor(ctx: CallContext, r: Rollout, advantages: Tensor, extra: dict[st
     batch = prompt_batch(ctx, r, token_data)
     with_entropy = float(ctx.params.get("entropy_coef", 0.0)) > 0
     metrics = run_epochs(ctx, batch, policy_loss_fn(ctx.params, old_from_forward=reuse), "actor", with_entropy)
+    if reuse and ctx.params.get("rollout_is") is not None:
+        metrics = forward_is_metrics(metrics)
     if old is not None:
         metrics["actor/old_logprob_diff"] = masked_mean((old - r.logprobs).abs(), r.mask)
     return {**extra, **metrics, **is_metrics, "actor/advantages_mean": masked_mean(advantages, r.mask)}, None

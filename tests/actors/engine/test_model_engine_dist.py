@@ -62,10 +62,12 @@ def make_batch() -> SequenceBatch:
 
 
 def actor_loss(logprobs: torch.Tensor, data: dict[str, torch.Tensor]) -> LossSums:
-    """Policy-gradient-like sum with an entropy bonus (exercises the entropy path)."""
+    """Policy-gradient-like sum with an entropy bonus (exercises the entropy path), a summed
+    statistic and a largest one (reduced by max over micro-batches and dp)."""
     mask = data["mask"]
     per_token = -logprobs * data["adv"] - 0.01 * data["entropy"]
-    return LossSums((per_token * mask).sum(), mask.sum(), {"logprob": (logprobs.detach() * mask).sum()})
+    return LossSums((per_token * mask).sum(), mask.sum(), {"logprob": (logprobs.detach() * mask).sum()},
+                    {"surprise_max": (-logprobs.detach() * mask).max()})
 
 
 def critic_loss(values: torch.Tensor, data: dict[str, torch.Tensor]) -> LossSums:
@@ -116,7 +118,7 @@ def run_case(spec: ModelSpec, critic: bool, layout: Layout, n_micro: int, ref: d
     engine.optimizer.zero_grad()
     for step, expected in enumerate(ref["steps"]):
         got = engine.train_step(batch, _loss_fn(critic), n_micro, with_entropy=True)
-        for key in ("loss", "grad_norm", "lr", "count"):
+        for key in ("loss", "grad_norm", "lr", "count") + (() if critic else ("logprob", "surprise_max")):
             assert math.isclose(got[key], expected[key], rel_tol=1e-5, abs_tol=1e-5), \
                 (step, key, got[key], expected[key])
     destroy_parallel_groups(groups)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from actors.rl.importance import truncated_is_weights
+from actors.rl.importance import truncated_is_terms, truncated_is_weights
 from actors.rl.losses import gspo_policy_loss, ppo_policy_loss
 
 pytestmark = pytest.mark.unit
@@ -74,3 +74,11 @@ def test_gspo_unclipped_gradient_flows_through_each_token_with_the_sequence_rati
     out.loss.backward()
     # d/d lp_t of mean over the sequence's 2 tokens of (-A s) with d s_t / d lp_t = s: -s / 2 each.
     assert lp.grad.tolist() == pytest.approx([0.0, -s / 2, -s / 2, 0.0, 0.0], abs=1e-6)
+
+
+def test_terms_are_the_weights_before_and_after_truncation_without_statistics() -> None:
+    weights, raw = truncated_is_terms(OLD, ROLLOUT, MASK, CU, "token", threshold=1.5)
+    assert weights.tolist() == pytest.approx(truncated_is_weights(OLD, ROLLOUT, MASK, CU, "token", 1.5)[0].tolist())
+    assert raw.tolist() == pytest.approx([0.0, math.exp(0.5), math.exp(-0.5), 0.0, math.exp(0.7)], rel=1e-6)
+    weights, raw = truncated_is_terms(OLD, ROLLOUT, MASK, CU, "sequence", threshold=1.5)
+    assert raw.tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, math.exp(0.7)], rel=1e-6)

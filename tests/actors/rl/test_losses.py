@@ -291,3 +291,16 @@ def test_combine_losses_weights_terms_and_merges_stats() -> None:
     assert set(total.stats) == {"pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl", "entropy"}
     with pytest.raises(ValueError, match="appear in more than one term"):
         combine_losses([(1.0, kl), (1.0, kl)])
+
+
+def test_maxima_combine_by_max_and_stay_out_of_the_sums() -> None:
+    one = LossSums(torch.tensor(2.0), torch.tensor(4.0), {"s": torch.tensor(1.0)}, {"m": torch.tensor(3.0)})
+    two = LossSums(torch.tensor(1.0), torch.tensor(2.0), {"s": torch.tensor(5.0)}, {"m": torch.tensor(7.0)})
+    both = one + two
+    assert float(both.loss) == 3.0 and float(both.count) == 6.0 and float(both.stats["s"]) == 6.0
+    assert float(both.maxima["m"]) == 7.0
+    assert combine_losses([(1.0, one)]).maxima == one.maxima
+    with pytest.raises(ValueError, match="stats keys differ"):
+        one + LossSums(torch.tensor(1.0), torch.tensor(2.0), {"s": torch.tensor(5.0)})
+    with pytest.raises(ValueError, match="appear in more than one term"):
+        combine_losses([(1.0, one), (1.0, LossSums(torch.tensor(0.0), torch.tensor(1.0), {}, {"m": torch.tensor(1.0)}))])

@@ -1,5 +1,6 @@
 """The actor's old logprobs taken from its training forward (one minibatch, one epoch) instead of
-a separate forward pass: ratios exactly 1 and the recomputing path's gradient."""
+a separate forward pass: ratios exactly 1 and the recomputing path's gradient, with and without
+truncated importance weights against the sampling logprobs (FP8 rollouts)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from actors.engine import ModelEngine, SequenceBatch
 from actors.worker import CallSpec, ModelWorker
 from actors.worker.data import pack_rows
+from actors.rl import truncated_is_weights
+from actors.worker.behaviour import forward_is_metrics
 from actors.worker.train import policy_loss_fn, reuses_forward_logprobs
 from planning.layout import Layout, Mesh
 from planning.models import ModelSpec
@@ -83,6 +86,37 @@ def test_reused_logprobs_give_ratio_one_and_the_recomputing_gradient() -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_reused_forward_importance_weights_match_the_recomputing_path(level: str) -> None:
+    engine = actor_worker()._roles["actor"].engines[ONE]
+    cols = rollout()
+    tokens, lengths, mask = pack_rows(cols["prompt_ids"], cols["response_ids"])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    advantages = torch.linspace(-1.0, 1.5, tokens.numel()) * mask
+    old = engine.forward_logprobs(SequenceBatch(tokens, tuple(lengths)), 2, TEMPERATURE).float() * mask
+    # Sampling logprobs near the model's, off by up to +-0.6 a token: some weights pass the threshold.
+    noise = (torch.rand(tokens.numel(), generator=torch.Generator().manual_seed(5)) - 0.5) * 1.2
+    sample = (old + noise) * mask
+    params = {"clip_eps": 0.2, "loss_agg": "token-mean", "rollout_is": level, "rollout_is_threshold": 1.2}
+    weights, stats = truncated_is_weights(old, sample, mask, cu, level, 1.2)
+    assert 0 < stats["rollout_is_truncated"] < 1  # the case covers truncated and kept weights
+    data = {"mask": mask, "advantages": advantages}
+    recomputed, _ = engine.backward_step(
+        SequenceBatch(tokens, tuple(lengths), {**data, "old_logprobs": old, "is_weights": weights}),
+        policy_loss_fn(params), 2, TEMPERATURE)
+    want = grads(engine)
+    reused, _ = engine.backward_step(SequenceBatch(tokens, tuple(lengths), {**data, "sample_logprobs": sample}),
+                                     policy_loss_fn(params, old_from_forward=True), 2, TEMPERATURE)
+    got = grads(engine)
+    assert reused["pg_loss"] == pytest.approx(recomputed["pg_loss"], abs=1e-6)
+    metrics = forward_is_metrics({f"actor/{k}": v for k, v in reused.items()})
+    for name, value in stats.items():
+        assert metrics[f"actor/{name}"] == pytest.approx(value, rel=1e-5), name
+    assert not any(key.startswith("actor/is_") for key in metrics)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_the_grpo_op_skips_the_separate_forward_with_one_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
     worker = actor_worker()
     engine = worker._roles["actor"].engines[ONE]
@@ -96,7 +130,14 @@ def test_the_grpo_op_skips_the_separate_forward_with_one_minibatch(monkeypatch: 
     meta, _ = worker.run_call(CallSpec("actor_train", "actor", "train", ONE, 0, len(PROMPT_LENS), params), cols)
     assert meta["actor/ppo_kl"] == 0.0 and meta["actor/pg_clipfrac"] == 0.0 and meta["actor/optimizer_steps"] == 1.0
     assert meta["actor/old_logprob_diff"] > 0  # the made-up sampling logprobs differ from the model's
-    monkeypatch.undo()
+    # FP8 rollouts' importance weights come from the same forward: still no separate pass.
     meta, _ = worker.run_call(CallSpec("actor_train", "actor", "train", ONE, 1, len(PROMPT_LENS),
+                                       {**params, "rollout_is": "token"}), cols)
+    assert {"actor/rollout_is_mean", "actor/rollout_is_max", "actor/rollout_is_truncated"} <= set(meta)
+    # The random model's logprobs (~ -log 64) sit far below the made-up sampling ones: weights < 1.
+    assert 0 < meta["actor/rollout_is_mean"] <= meta["actor/rollout_is_max"] < 1
+    assert meta["actor/rollout_is_truncated"] == 0.0
+    monkeypatch.undo()
+    meta, _ = worker.run_call(CallSpec("actor_train", "actor", "train", ONE, 2, len(PROMPT_LENS),
                                        {**params, "ppo_minibatches": 2}), cols)
     assert meta["actor/optimizer_steps"] == 2.0  # two minibatches: recomputed, as before
