@@ -19,10 +19,12 @@ Ways, each timed as forward + backward of one layer (median of --reps, CUDA even
   cudnn cascade  the cascade with cuDNN's varlen forward/backward instead of FA2's
   history        the engine's path: one FA2 varlen call (torch's varlen_attn) over K/V gathered
                  per row, a completion's keys its prompt and itself (history_attention)
+  rows gathered  q, k and v gathered per row from the compact stream, FA2 over the rows whole,
+                 each token's output from its first row (rows_attention)
   history aten   the same kernel calls without torch's varlen_attn, the autograd gather and the
                  float32 sum: aten's FA2 forward and backward on the gathered K/V, which shows
                  whether the kernel or what surrounds it costs the time
---profile WAYS (comma-separated names, or "all") prints each named way's CUDA kernels by time per
+--profile WAYS (comma-separated names, '_' for a space, or "all") prints each named way's CUDA kernels by time per
 step (torch.profiler over 5 steps).
 Each line gives ms per layer, TFLOP/s on the FLOPs the way runs (forward 4 * S_q * S_k * D * H,
 halved where causal; backward 2.5x forward) and the same times 16 layers x 16 micro-batches (the
@@ -48,6 +50,7 @@ from actors.engine.shared_prefix_attention import (  # noqa: E402
     CascadeKernels,
     cascade_attention,
     history_attention,
+    rows_attention,
 )
 from benchmarks.segment_copy_bench import median_cuda_seconds  # noqa: E402
 
@@ -224,6 +227,19 @@ def history_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.devi
     return step
 
 
+def rows_gathered_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """The compact stream's attention as FA2 over the rows gathered whole (rows_attention)."""
+    batch = cascade_batch(s, device)
+    take, back = compact_index(s, device)
+    q, k, v = leaves([t[take] for t in rows])
+
+    def step() -> torch.Tensor:
+        out = rows_attention(q, k, v, batch)
+        out.backward(torch.ones_like(out))
+        return out.detach()[back]
+    return step
+
+
 def history_aten_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
     """history's kernels alone: K/V gathered by index, aten's FA2 forward and backward (CUDA only)."""
     batch = cascade_batch(s, device)
@@ -322,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = row_inputs(s, dtype, device)
     expected = reference(rows, s)
     ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
-        "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device)}
+        "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device),
+        "rows gathered": lambda: rows_gathered_step(s, rows, device)}
     if device.type == "cuda":
         ways |= {"history aten": lambda: history_aten_step(s, rows, device),
                  "fa2 rows": lambda: fa2_rows_step(s, rows, device),
@@ -333,13 +350,14 @@ def main(argv: list[str] | None = None) -> None:
                  "cudnn cascade (kv repeated)": lambda: cudnn_cascade_step(s, rows, device, repeat_kv=True)}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
           f"cudnn {torch.backends.cudnn.version() if device.type == 'cuda' else '-'}")
+    profiled = {way.replace("_", " ") for way in args.profile.split(",")}  # fa2_rows: "fa2 rows"
     table = []
     for name, build in ways.items():
         try:
             step = build()
             error = (step().float() - expected).abs().max().item()
             ms = time_ms(step, args.reps, device)
-            if device.type == "cuda" and (args.profile == "all" or name in args.profile.split(",")):
+            if device.type == "cuda" and (args.profile == "all" or name in profiled):
                 profile_kernels(name, step)
         except Exception as exc:  # noqa: BLE001 - a kernel this torch/GPU lacks: say why, go on
             print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")

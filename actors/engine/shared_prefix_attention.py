@@ -227,6 +227,27 @@ def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Te
                                   spans.max_history)
 
 
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Tensor:
+    """[T_c, Hq, D] attention of a compact stream as FlashAttention over its rows whole: q, k and
+    v gathered per row (a row is its group's prefix, then its suffix: `PrefixSpans.history` after
+    the prefixes' own part), one causal varlen call with equal query and key spans, then each
+    compact token's output taken from the first row that holds it. A prefix's queries run once
+    per row (~4% more attention FLOPs than `history_attention` at 128 + 512 tokens); the other
+    copies' outputs are dropped, so their gradient is zero and adds nothing to dq, dk or dv."""
+    spans = batch.shared_prefix
+    if spans is None:
+        raise ValueError("rows_attention: the packed batch has no shared_prefix spans")
+    n_p, n_groups = spans.n_prefix_tokens, spans.cu_prefix.numel() - 1
+    rows = spans.history[n_p:]  # [T_r] the rows whole, as compact positions
+    cu_rows = (spans.cu_history[n_groups:] - n_p).to(torch.int32).contiguous()
+    # Each compact token's first place among the rows (a min is the same in any order of the writes).
+    first = torch.full((q.shape[0],), rows.numel(), dtype=torch.int64, device=q.device)
+    first.scatter_reduce_(0, rows, torch.arange(rows.numel(), device=q.device), reduce="amin")
+    q_rows, k_rows, v_rows = (_GatherRows.apply(t, rows) for t in (q, k, v))
+    out = attention_over_history(q_rows, k_rows, v_rows, cu_rows, cu_rows, spans.max_history, spans.max_history)
+    return out.index_select(0, first)
+
+
 def shared_prefix_mask(batch: PackedBatch) -> Tensor:
     """bool [T_c, T_c]: causal within each sequence of the stream, plus suffix -> own group's prefix."""
     spans = batch.shared_prefix
@@ -258,5 +279,5 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch,
 
 __all__ = [
     "FLASH_KERNELS", "REFERENCE_KERNELS", "CascadeKernels", "cascade_attention", "merge_partials",
-    "history_attention", "shared_prefix_attention", "shared_prefix_mask",
+    "history_attention", "rows_attention", "shared_prefix_attention", "shared_prefix_mask",
 ]

@@ -15,6 +15,7 @@ from actors.engine.shared_prefix_attention import (
     REFERENCE_KERNELS,
     cascade_attention,
     history_attention,
+    rows_attention,
     merge_partials,
     shared_prefix_attention,
 )
@@ -69,7 +70,7 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: t
     return packed_attention(q[index], k[index], v[index], PackedBatch.from_lengths(list(lengths)), "sdpa")
 
 
-@pytest.mark.parametrize("way", ["mask", "cascade", "history"])
+@pytest.mark.parametrize("way", ["mask", "cascade", "history", "rows"])
 def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
     tokens, lengths, prompts = make_rows(1)
     _, packed, rows = shared_layout(tokens, lengths, prompts, "cpu")
@@ -80,6 +81,8 @@ def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
         out = shared_prefix_attention(q, k, v, packed, "sdpa")
     elif way == "history":  # the CUDA path's gather and bounds, through SDPA with their mask here
         out = history_attention(q, k, v, packed)
+    elif way == "rows":  # likewise: every row whole, each token's output from its first row
+        out = rows_attention(q, k, v, packed)
     else:
         out = cascade_attention(q, k, v, packed, REFERENCE_KERNELS)
     expected = _row_attention(q, k, v, lengths, rows.compact_index)
@@ -162,26 +165,29 @@ def _rel_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-def test_cuda_cascade_matches_float32_rows() -> None:
-    """The FlashAttention cascade (bf16, GQA) against float32 SDPA over the rows packed whole:
-    output and the gradients of q, k and v within bf16 rounding."""
+@pytest.mark.parametrize("way", ["engine", "rows"])
+def test_cuda_cascade_matches_float32_rows(way: str) -> None:
+    """The engine's FlashAttention path (bf16, GQA), and FlashAttention over the rows gathered
+    whole, against float32 SDPA over the rows packed whole: output and the gradients of q, k and
+    v within bf16 rounding."""
     tokens, lengths, prompts = make_rows(6)
     _, packed, rows = shared_layout(tokens, lengths, prompts, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(7)
     inputs = [torch.randn(packed.n_tokens, heads, 64, device="cuda", generator=gen) for heads in (8, 2, 2)]
     weights = torch.randn(tokens.numel(), 8, 64, device="cuda", generator=gen)
     results = {}
-    for way, dtype in (("cascade", torch.bfloat16), ("rows", torch.float32)):
+    for side, dtype in (("shared", torch.bfloat16), ("exact", torch.float32)):
         q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
-        if way == "cascade":
-            out = shared_prefix_attention(q, k, v, packed, "varlen")[rows.compact_index]
+        if side == "shared":
+            out = (shared_prefix_attention(q, k, v, packed, "varlen") if way == "engine"
+                   else rows_attention(q, k, v, packed))[rows.compact_index]
         else:
             rows_batch = PackedBatch.from_lengths(list(lengths), "cuda")
             index = rows.compact_index
             out = packed_attention(q[index], k[index], v[index], rows_batch, "sdpa")
         grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
-        results[way] = [out, *grads]
-    for name, got, exact in zip("out dq dk dv".split(), results["cascade"], results["rows"], strict=True):
+        results[side] = [out, *grads]
+    for name, got, exact in zip("out dq dk dv".split(), results["shared"], results["exact"], strict=True):
         assert _rel_error(got, exact) < 2e-2, (name, _rel_error(got, exact))
 
 
