@@ -19,8 +19,6 @@ Ways, each timed as forward + backward of one layer (median of --reps, CUDA even
   cudnn cascade  the cascade with cuDNN's varlen forward/backward instead of FA2's
   history        the engine's path: one FA2 varlen call (torch's varlen_attn) over K/V gathered
                  per row, a completion's keys its prompt and itself (history_attention)
-  rows gathered  q, k and v gathered per row from the compact stream, FA2 over the rows whole,
-                 each token's output from its first row (rows_attention)
   history aten   the same kernel calls without torch's varlen_attn, the autograd gather and the
                  float32 sum: aten's FA2 forward and backward on the gathered K/V, which shows
                  whether the kernel or what surrounds it costs the time
@@ -50,7 +48,6 @@ from actors.engine.shared_prefix_attention import (  # noqa: E402
     CascadeKernels,
     cascade_attention,
     history_attention,
-    rows_attention,
 )
 from benchmarks.segment_copy_bench import median_cuda_seconds  # noqa: E402
 
@@ -90,7 +87,7 @@ def cascade_batch(s: dict[str, int], device: torch.device) -> PackedBatch:
     cu_history = torch.tensor([0] + [s["prompt"]] * s["prompts"] + [s["prompt"] + s["completion"]] * n_rows,
                               device=device).cumsum(0).to(torch.int32)
     spans = PrefixSpans(n_prefix, cu_prefix, cu_suffix, s["prompt"], s["group"] * s["completion"], heads,
-                        history, cu_history, s["prompt"] + s["completion"])
+                        history, cu_history, s["prompt"] + s["completion"], torch.argsort(history, stable=True))
     return PackedBatch(cu, positions, max(seg), spans)
 
 
@@ -227,19 +224,6 @@ def history_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.devi
     return step
 
 
-def rows_gathered_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
-    """The compact stream's attention as FA2 over the rows gathered whole (rows_attention)."""
-    batch = cascade_batch(s, device)
-    take, back = compact_index(s, device)
-    q, k, v = leaves([t[take] for t in rows])
-
-    def step() -> torch.Tensor:
-        out = rows_attention(q, k, v, batch)
-        out.backward(torch.ones_like(out))
-        return out.detach()[back]
-    return step
-
-
 def history_aten_step(s: dict[str, int], rows: list[torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
     """history's kernels alone: K/V gathered by index, aten's FA2 forward and backward (CUDA only)."""
     batch = cascade_batch(s, device)
@@ -338,8 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = row_inputs(s, dtype, device)
     expected = reference(rows, s)
     ways: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
-        "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device),
-        "rows gathered": lambda: rows_gathered_step(s, rows, device)}
+        "cascade": lambda: cascade_step(s, rows, device), "history": lambda: history_step(s, rows, device)}
     if device.type == "cuda":
         ways |= {"history aten": lambda: history_aten_step(s, rows, device),
                  "fa2 rows": lambda: fa2_rows_step(s, rows, device),

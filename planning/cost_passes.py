@@ -48,7 +48,9 @@ E4M3_GATHERED_READ_BYTES = 7.0
 # and pass the fixed time of about this many kernel launches (`HardwareSpec.kernel_overhead_s`):
 # measured for the cascade (a second FlashAttention call, the merge, two copies; 240-480 us per
 # block and micro-batch on an H200, docs/benchmarks.md, seventh step). Its successor, the K/V
-# gather and one varlen call (fifteenth step), is priced the same until a device measures it.
+# gather and one varlen call (fifteenth step), is priced the same: its gather and scatter kernels
+# took ~0.34 ms per layer and micro-batch beside the attention kernels' 1.42 (seventeenth step,
+# before its backward stopped widening every row), about the cascade's measured extra.
 CASCADE_OVERHEAD_KERNELS = 5
 
 

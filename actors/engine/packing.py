@@ -35,6 +35,10 @@ class PrefixSpans:
         its own tokens (T_k = the prefixes plus the rows whole). cu_history: int32 [G+B+1] their
         bounds; max_history the longest. Attention gathers K/V by `history` and runs causal,
         aligned at the bottom right (actors.engine.attention.attention_over_history).
+    history_order: int64 [T_k], `history`'s entries stably sorted by the compact position they
+        hold: first every occurrence of each prefix token (T_k - (T_c - n_prefix_tokens) of them),
+        then the single occurrence of each suffix token in stream order. The gather's backward
+        sums the first part and copies the second (shared_prefix_attention).
     """
 
     n_prefix_tokens: int
@@ -46,11 +50,13 @@ class PrefixSpans:
     history: Tensor
     cu_history: Tensor
     max_history: int
+    history_order: Tensor
 
     def to(self, device: torch.device | str) -> PrefixSpans:
         return PrefixSpans(self.n_prefix_tokens, self.cu_prefix.to(device), self.cu_suffix.to(device),
                            self.max_prefix, self.max_group_suffix, self.head_rows.to(device),
-                           self.history.to(device), self.cu_history.to(device), self.max_history)
+                           self.history.to(device), self.cu_history.to(device), self.max_history,
+                           self.history_order.to(device))
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ def shared_layout(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     spans = PrefixSpans(n_prefix, torch.tensor(cu_prefix, dtype=torch.int32, device=device),
                         torch.tensor(cu_suffix, dtype=torch.int32, device=device), max(prefix_lens),
                         max(group_suffix), torch.tensor(head_rows, dtype=torch.int64, device=device),
-                        history.to(device), cu_history.to(device), max(history_lens))
+                        history.to(device), cu_history.to(device), max(history_lens),
+                        torch.argsort(history, stable=True).to(device))
     packed = PackedBatch(cu.to(device=device, dtype=torch.int32), torch.cat(positions + suffix_positions).to(device),
                          max(seg_lengths), spans)
     first_index = torch.tensor(first_suffix, dtype=torch.int64)

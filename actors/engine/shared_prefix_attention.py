@@ -8,8 +8,10 @@ at the bottom right, so a prefix's queries run once and its keys once per row. E
 "sdpa" backend) one SDPA call with the stream's dense mask.
 
 Until the fifteenth step of issue 27 the CUDA path was a cascade, kept here for
-benchmarks/train_attention_bench.py to compare against (one peer-bench micro-batch on an H200:
-the cascade 2.05 ms per layer forward + backward, FlashAttention over the rows whole 1.51 ms):
+benchmarks/train_attention_bench.py to compare against (one peer-bench micro-batch on an H200,
+forward + backward of one layer: the cascade 1.89 ms, FlashAttention over the rows whole 1.48 ms,
+the one call's kernels on gathered K/V 1.46 ms, and the one call 2.10 ms while its gather's
+backward widened every gathered row to float32; seventeenth step):
 
   self:  causal attention of every token within its own sequence of the stream -> (o_s, lse_s)
   cross: each group's suffix tokens (all its rows, one query sequence) over its prefix, no mask
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from actors.engine.attention import attention_over_history, packed_causal_mask, resolve_backend
 from actors.engine.fusion import fused
-from actors.engine.packing import PackedBatch
+from actors.engine.packing import PackedBatch, PrefixSpans
 
 # (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [Hq, T_q], rng state)
 ForwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float], tuple[Tensor, Tensor, Tensor]]
@@ -195,21 +197,31 @@ def cascade_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, kerne
     return _CascadeAttention.apply(q, k, v, batch, kernels)
 
 
-class _GatherRows(torch.autograd.Function):
-    """x[index] along dim 0; backward sums the gradients of repeated rows in float32 (a prefix
-    key's gradient is the sum over its group's rows: summed in bf16 it would round at each add)."""
+class _GatherHistory(torch.autograd.Function):
+    """x[spans.history] along dim 0: every sequence's keys (or values) of the compact stream
+    [T_c, H, D] -> [T_k, H, D]. Backward: a suffix token occurs once, so its gradient is copied
+    (in the gradient's dtype, exact); a prefix token occurs once per row of its group and once
+    as its own sequence, so its gradients are summed in float32 (summed in bf16 they would round
+    at each add). Only those T_k - (T_c - n_prefix) rows are widened: summing all T_k rows in
+    float32 took ~0.2 ms of the layer's 1.8 ms on an H200 (issue 27, seventeenth step)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, index: Tensor) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.shape = x.shape
-        return x.index_select(0, index)
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, spans: PrefixSpans) -> Tensor:
+        ctx.spans, ctx.n_tokens = spans, x.shape[0]
+        return x.index_select(0, spans.history)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
-        (index,) = ctx.saved_tensors
-        summed = torch.zeros(ctx.shape, dtype=_work_dtype(grad), device=grad.device)
-        return summed.index_add_(0, index, grad.to(summed.dtype)).to(grad.dtype), None
+        spans: PrefixSpans = ctx.spans
+        n_p = spans.n_prefix_tokens
+        n_repeated = grad.shape[0] - (ctx.n_tokens - n_p)  # occurrences of prefix tokens in `history`
+        repeated, once = spans.history_order[:n_repeated], spans.history_order[n_repeated:]
+        out = grad.new_empty((ctx.n_tokens, *grad.shape[1:]))
+        out[n_p:] = grad.index_select(0, once)  # suffix tokens, in stream order
+        summed = torch.zeros((n_p, *grad.shape[1:]), dtype=_work_dtype(grad), device=grad.device)
+        summed.index_add_(0, spans.history.index_select(0, repeated), grad.index_select(0, repeated).to(summed.dtype))
+        out[:n_p] = summed
+        return out, None
 
 
 def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Tensor:
@@ -222,30 +234,9 @@ def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Te
     spans = batch.shared_prefix
     if spans is None:
         raise ValueError("history_attention: the packed batch has no shared_prefix spans")
-    k_rows, v_rows = _GatherRows.apply(k, spans.history), _GatherRows.apply(v, spans.history)  # [T_k, Hkv, D]
+    k_rows, v_rows = _GatherHistory.apply(k, spans), _GatherHistory.apply(v, spans)  # [T_k, Hkv, D]
     return attention_over_history(q, k_rows, v_rows, batch.cu_seqlens, spans.cu_history, batch.max_seqlen,
                                   spans.max_history)
-
-
-def rows_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Tensor:
-    """[T_c, Hq, D] attention of a compact stream as FlashAttention over its rows whole: q, k and
-    v gathered per row (a row is its group's prefix, then its suffix: `PrefixSpans.history` after
-    the prefixes' own part), one causal varlen call with equal query and key spans, then each
-    compact token's output taken from the first row that holds it. A prefix's queries run once
-    per row (~4% more attention FLOPs than `history_attention` at 128 + 512 tokens); the other
-    copies' outputs are dropped, so their gradient is zero and adds nothing to dq, dk or dv."""
-    spans = batch.shared_prefix
-    if spans is None:
-        raise ValueError("rows_attention: the packed batch has no shared_prefix spans")
-    n_p, n_groups = spans.n_prefix_tokens, spans.cu_prefix.numel() - 1
-    rows = spans.history[n_p:]  # [T_r] the rows whole, as compact positions
-    cu_rows = (spans.cu_history[n_groups:] - n_p).to(torch.int32).contiguous()
-    # Each compact token's first place among the rows (a min is the same in any order of the writes).
-    first = torch.full((q.shape[0],), rows.numel(), dtype=torch.int64, device=q.device)
-    first.scatter_reduce_(0, rows, torch.arange(rows.numel(), device=q.device), reduce="amin")
-    q_rows, k_rows, v_rows = (_GatherRows.apply(t, rows) for t in (q, k, v))
-    out = attention_over_history(q_rows, k_rows, v_rows, cu_rows, cu_rows, spans.max_history, spans.max_history)
-    return out.index_select(0, first)
 
 
 def shared_prefix_mask(batch: PackedBatch) -> Tensor:
@@ -279,5 +270,5 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch,
 
 __all__ = [
     "FLASH_KERNELS", "REFERENCE_KERNELS", "CascadeKernels", "cascade_attention", "merge_partials",
-    "history_attention", "rows_attention", "shared_prefix_attention", "shared_prefix_mask",
+    "history_attention", "shared_prefix_attention", "shared_prefix_mask",
 ]

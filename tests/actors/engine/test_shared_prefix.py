@@ -14,8 +14,8 @@ from actors.engine.shared_prefix import prefix_groups, shared_layout
 from actors.engine.shared_prefix_attention import (
     REFERENCE_KERNELS,
     cascade_attention,
+    _GatherHistory,
     history_attention,
-    rows_attention,
     merge_partials,
     shared_prefix_attention,
 )
@@ -60,6 +60,11 @@ def test_layout_holds_each_prompt_once_and_maps_back_to_rows() -> None:
     assert torch.equal(spans.history, torch.cat((torch.arange(16), rows.compact_index)))
     assert spans.cu_history.tolist() == [0, 4, 8, 13, 16, *(16 + torch.tensor(lengths).cumsum(0)).tolist()]
     assert spans.max_history == max(lengths)
+    # history_order: every prefix token's occurrences (sorted by token), then each suffix token once.
+    held = spans.history[spans.history_order]
+    n_repeated = spans.history.numel() - (compact.numel() - 16)
+    assert torch.equal(held[n_repeated:], torch.arange(16, compact.numel()))
+    assert bool((held[:n_repeated] < 16).all()) and bool((held[:n_repeated].diff() >= 0).all())
     assert torch.equal(rows.first_targets, tokens[rows.first_suffix])
     assert shared_layout(tokens[:8], (4, 4), (4, 4), "cpu") is None  # A and D: nothing shared
 
@@ -70,7 +75,7 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: t
     return packed_attention(q[index], k[index], v[index], PackedBatch.from_lengths(list(lengths)), "sdpa")
 
 
-@pytest.mark.parametrize("way", ["mask", "cascade", "history", "rows"])
+@pytest.mark.parametrize("way", ["mask", "cascade", "history"])
 def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
     tokens, lengths, prompts = make_rows(1)
     _, packed, rows = shared_layout(tokens, lengths, prompts, "cpu")
@@ -81,8 +86,6 @@ def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
         out = shared_prefix_attention(q, k, v, packed, "sdpa")
     elif way == "history":  # the CUDA path's gather and bounds, through SDPA with their mask here
         out = history_attention(q, k, v, packed)
-    elif way == "rows":  # likewise: every row whole, each token's output from its first row
-        out = rows_attention(q, k, v, packed)
     else:
         out = cascade_attention(q, k, v, packed, REFERENCE_KERNELS)
     expected = _row_attention(q, k, v, lengths, rows.compact_index)
@@ -92,6 +95,24 @@ def test_shared_attention_and_grads_match_rows_packed_whole(way: str) -> None:
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_history_gather_backward_copies_suffixes_and_sums_prefixes_in_float32(dtype: torch.dtype) -> None:
+    tokens, lengths, prompts = make_rows(3)
+    _, packed, _ = shared_layout(tokens, lengths, prompts, "cpu")
+    spans = packed.shared_prefix
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(packed.n_tokens, 2, 8, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(spans.history.numel(), 2, 8, generator=gen).to(dtype)
+    (got,) = torch.autograd.grad(_GatherHistory.apply(x, spans), x, grad)
+    # Reference: every occurrence summed in float64, rounded once to the gradient's dtype.
+    want = torch.zeros(x.shape, dtype=torch.float64).index_add_(0, spans.history, grad.double()).to(dtype)
+    n_p = spans.n_prefix_tokens
+    assert torch.equal(got[n_p:], want[n_p:])  # a suffix token occurs once: copied exactly
+    # A prefix token's sum: float32 rounding, then at most one rounding to bf16 (2^-8 relative).
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got[:n_p].float(), want[:n_p].float(), rtol=tolerance, atol=1e-6)
 
 
 def test_merge_partials_is_attention_over_both_key_sets() -> None:
@@ -165,29 +186,26 @@ def _rel_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("way", ["engine", "rows"])
-def test_cuda_cascade_matches_float32_rows(way: str) -> None:
-    """The engine's FlashAttention path (bf16, GQA), and FlashAttention over the rows gathered
-    whole, against float32 SDPA over the rows packed whole: output and the gradients of q, k and
-    v within bf16 rounding."""
+def test_cuda_cascade_matches_float32_rows() -> None:
+    """The FlashAttention cascade (bf16, GQA) against float32 SDPA over the rows packed whole:
+    output and the gradients of q, k and v within bf16 rounding."""
     tokens, lengths, prompts = make_rows(6)
     _, packed, rows = shared_layout(tokens, lengths, prompts, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(7)
     inputs = [torch.randn(packed.n_tokens, heads, 64, device="cuda", generator=gen) for heads in (8, 2, 2)]
     weights = torch.randn(tokens.numel(), 8, 64, device="cuda", generator=gen)
     results = {}
-    for side, dtype in (("shared", torch.bfloat16), ("exact", torch.float32)):
+    for way, dtype in (("cascade", torch.bfloat16), ("rows", torch.float32)):
         q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
-        if side == "shared":
-            out = (shared_prefix_attention(q, k, v, packed, "varlen") if way == "engine"
-                   else rows_attention(q, k, v, packed))[rows.compact_index]
+        if way == "cascade":
+            out = shared_prefix_attention(q, k, v, packed, "varlen")[rows.compact_index]
         else:
             rows_batch = PackedBatch.from_lengths(list(lengths), "cuda")
             index = rows.compact_index
             out = packed_attention(q[index], k[index], v[index], rows_batch, "sdpa")
         grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
-        results[side] = [out, *grads]
-    for name, got, exact in zip("out dq dk dv".split(), results["shared"], results["exact"], strict=True):
+        results[way] = [out, *grads]
+    for name, got, exact in zip("out dq dk dv".split(), results["cascade"], results["rows"], strict=True):
         assert _rel_error(got, exact) < 2e-2, (name, _rel_error(got, exact))
 
 
