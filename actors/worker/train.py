@@ -27,8 +27,8 @@ and one epoch, the actor takes its old logprobs from its training forward (detac
 separate forward pass over every token: that step's weights are the ones the recomputation would
 use, so the ratios are exactly 1 and the gradient is the recomputing path's
 (`reuses_forward_logprobs`). Truncated importance weights (FP8 rollouts) are then computed per
-micro-batch from the same detached logprobs (`forward_is_terms`). With more minibatches or epochs the weights move between
-steps and the old logprobs are recomputed first.
+micro-batch from the same detached logprobs (`forward_is_terms`). With more minibatches or
+epochs the weights move between steps and the old logprobs are recomputed first.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ def run_epochs(ctx: CallContext, batch: SequenceBatch, loss_fn: LossFn, prefix: 
 
 
 POLICY_LOSSES = ("ppo", "gspo")
+
+
 def policy_loss_fn(params: dict[str, Any], old_from_forward: bool = False) -> LossFn:
     """Clipped PPO surrogate, or GSPO's sequence-level one (params['policy_loss']), weighted by the
     truncated importance weights when given (+ entropy bonus, + a KL loss) on one micro-batch.

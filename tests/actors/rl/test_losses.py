@@ -303,4 +303,5 @@ def test_maxima_combine_by_max_and_stay_out_of_the_sums() -> None:
     with pytest.raises(ValueError, match="stats keys differ"):
         one + LossSums(torch.tensor(1.0), torch.tensor(2.0), {"s": torch.tensor(5.0)})
     with pytest.raises(ValueError, match="appear in more than one term"):
-        combine_losses([(1.0, one), (1.0, LossSums(torch.tensor(0.0), torch.tensor(1.0), {}, {"m": torch.tensor(1.0)}))])
+        other_max = LossSums(torch.tensor(0.0), torch.tensor(1.0), {}, {"m": torch.tensor(1.0)})
+        combine_losses([(1.0, one), (1.0, other_max)])
