@@ -198,30 +198,36 @@ def cascade_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, kerne
 
 
 class _GatherHistory(torch.autograd.Function):
-    """x[spans.history] along dim 0: every sequence's keys (or values) of the compact stream
-    [T_c, H, D] -> [T_k, H, D]. Backward: a suffix token occurs once, so its gradient is copied
-    (in the gradient's dtype, exact); a prefix token occurs once per row of its group and once
-    as its own sequence, so its gradients are summed in float32 (summed in bf16 they would round
-    at each add). Only those T_k - (T_c - n_prefix) rows are widened: summing all T_k rows in
-    float32 took ~0.2 ms of the layer's 1.8 ms on an H200 (issue 27, seventeenth step)."""
+    """(k[spans.history], v[spans.history]) along dim 0: every sequence's keys and values of the
+    compact stream [T_c, H, D] -> [T_k, H, D], one node for both so the index work is done once.
+    Backward: a suffix token occurs once, so its gradient is copied (in the gradient's dtype,
+    exact); a prefix token occurs once per row of its group and once as its own sequence, so its
+    gradients are summed in float32 (summed in bf16 they would round at each add). Only those
+    T_k - (T_c - n_prefix) rows are widened: summing all T_k rows in float32 took ~0.2 ms of the
+    layer's 1.8 ms on an H200 (issue 27, seventeenth step)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, spans: PrefixSpans) -> Tensor:
-        ctx.spans, ctx.n_tokens = spans, x.shape[0]
-        return x.index_select(0, spans.history)
+    def forward(ctx: torch.autograd.function.FunctionCtx, k: Tensor, v: Tensor,
+                spans: PrefixSpans) -> tuple[Tensor, Tensor]:
+        ctx.spans, ctx.n_tokens = spans, k.shape[0]
+        return k.index_select(0, spans.history), v.index_select(0, spans.history)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_k: Tensor,
+                 grad_v: Tensor) -> tuple[Tensor, Tensor, None]:
         spans: PrefixSpans = ctx.spans
         n_p = spans.n_prefix_tokens
-        n_repeated = grad.shape[0] - (ctx.n_tokens - n_p)  # occurrences of prefix tokens in `history`
+        n_repeated = grad_k.shape[0] - (ctx.n_tokens - n_p)  # occurrences of prefix tokens in `history`
         repeated, once = spans.history_order[:n_repeated], spans.history_order[n_repeated:]
-        out = grad.new_empty((ctx.n_tokens, *grad.shape[1:]))
-        out[n_p:] = grad.index_select(0, once)  # suffix tokens, in stream order
-        summed = torch.zeros((n_p, *grad.shape[1:]), dtype=_work_dtype(grad), device=grad.device)
-        summed.index_add_(0, spans.history.index_select(0, repeated), grad.index_select(0, repeated).to(summed.dtype))
-        out[:n_p] = summed
-        return out, None
+        prefix_token = spans.history.index_select(0, repeated)  # [n_repeated] which token each one is
+        grads = []
+        for grad in (grad_k, grad_v):
+            out = grad.new_empty((ctx.n_tokens, *grad.shape[1:]))
+            out[n_p:] = grad.index_select(0, once)  # suffix tokens, in stream order
+            summed = torch.zeros((n_p, *grad.shape[1:]), dtype=_work_dtype(grad), device=grad.device)
+            out[:n_p] = summed.index_add_(0, prefix_token, grad.index_select(0, repeated).to(summed.dtype))
+            grads.append(out)
+        return grads[0], grads[1], None
 
 
 def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Tensor:
@@ -234,7 +240,7 @@ def history_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch) -> Te
     spans = batch.shared_prefix
     if spans is None:
         raise ValueError("history_attention: the packed batch has no shared_prefix spans")
-    k_rows, v_rows = _GatherHistory.apply(k, spans), _GatherHistory.apply(v, spans)  # [T_k, Hkv, D]
+    k_rows, v_rows = _GatherHistory.apply(k, v, spans)  # [T_k, Hkv, D] each
     return attention_over_history(q, k_rows, v_rows, batch.cu_seqlens, spans.cu_history, batch.max_seqlen,
                                   spans.max_history)
 

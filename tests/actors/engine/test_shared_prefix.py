@@ -105,7 +105,9 @@ def test_history_gather_backward_copies_suffixes_and_sums_prefixes_in_float32(dt
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(packed.n_tokens, 2, 8, generator=gen).to(dtype).requires_grad_()
     grad = torch.randn(spans.history.numel(), 2, 8, generator=gen).to(dtype)
-    (got,) = torch.autograd.grad(_GatherHistory.apply(x, spans), x, grad)
+    y = torch.randn(packed.n_tokens, 2, 8, generator=gen).to(dtype).requires_grad_()
+    got, got_y = torch.autograd.grad(_GatherHistory.apply(x, y, spans), (x, y), (grad, 2 * grad))
+    torch.testing.assert_close(got_y, 2 * got)  # the values' gradient goes the same way
     # Reference: every occurrence summed in float64, rounded once to the gradient's dtype.
     want = torch.zeros(x.shape, dtype=torch.float64).index_add_(0, spans.history, grad.double()).to(dtype)
     n_p = spans.n_prefix_tokens
