@@ -177,6 +177,18 @@ def no_recompile(run: Callable[..., object], args: tuple) -> None:
             torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
 
 
+def chosen_cases(parser: argparse.ArgumentParser, names: str, every: dict[str, tuple]) -> dict[str, tuple]:
+    """The cases --cases names, in the table's order; an unknown name exits 2 listing the known ones."""
+    if names == "all":
+        return every
+    wanted = [n.replace("_", " ") if n.startswith("rotary") else n for n in names.split(",")]
+    unknown = [n for n in wanted if n not in every]
+    if unknown:
+        known = ", ".join(n.replace(" ", "_") for n in every)
+        parser.error(f"--cases: {', '.join(unknown)} unknown; known: {known}, or all")
+    return {n: case for n, case in every.items() if n in wanted}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU (a functional check)")
@@ -184,6 +196,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20480)
     parser.add_argument("--model", default="llama3.2-1b", help="planning.models preset whose sizes to use")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cases", default="all",
+                        help="comma-separated case names (rms_norm, add_rms_norm, swiglu, rotary_q, rotary_k, "
+                             "merge; '_' for a space) or 'all'")
     args = parser.parse_args()
     cuda = not args.cpu and torch.cuda.is_available()
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
@@ -191,7 +206,7 @@ def main() -> None:
     shape = (256, 64, 160, 4, 2, 16) if args.tiny else (
         args.tokens, spec.hidden_size, spec.intermediate_size, spec.n_heads, spec.n_kv_heads, spec.head_dim)
     table = []
-    for name, (fn, make) in cases(*shape, device, dtype).items():
+    for name, (fn, make) in chosen_cases(parser, args.cases, cases(*shape, device, dtype)).items():
         table += measure(name, fn, make, shape[0], 2 if args.tiny else args.steps, cuda)
     where = torch.cuda.get_device_name(0) if cuda else "cpu"
     print(f"\nfused elementwise functions, {shape[0]} tokens (hidden {shape[1]}, intermediate {shape[2]}, "

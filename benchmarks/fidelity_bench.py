@@ -4,6 +4,7 @@
     python benchmarks/fidelity_bench.py --tiny --out DIR   # CPU, tiny models, virtual GPU: a quick check
     python benchmarks/fidelity_bench.py --sizes --iterations 2 --out DIR   # 0.5B/1.5B/3B actors, before calibration
     python benchmarks/fidelity_bench.py --sizes --steady 4 --out DIR   # first plans against 4 measured iterations
+    python benchmarks/fidelity_bench.py --gpu h100-80g ...  # priced with another preset (on that GPU)
 
 PPO and GRPO with Llama-3.2-1B-shaped models (random weights; the actor, its reference, a reward
 model, and PPO's critic) on one GPU, over a sweep of batch shapes (64-512 sequences, 128-1024
@@ -56,6 +57,7 @@ import yaml
 from app.config import ConfigError, ExperimentConfig, load_config
 from app.reporting.timeline import TimelineRecord, read_records
 from benchmarks.run_dirs import fresh_run_dir
+from planning.hardware import HARDWARE_PRESETS
 
 RECALIBRATE_AFTER = 2  # iterations 0 (warm-up) and 1 measured, the decision when iteration 2 is in
 ITERATIONS = 3
@@ -115,10 +117,11 @@ def write_prompts(path: Path, n: int, prompt_len: int, seed: int = 0) -> None:
             sink.write(json.dumps({"prompt": "".join(rng.choice("0123456789") for _ in range(prompt_len - 1))}) + "\n")
 
 
-def shape_config(shape: Shape, tiny: bool, run_dir: Path, recalibrate: bool = True) -> ExperimentConfig:
-    """The experiment of one shape (a plan searched for one GPU, recalibrated after 2 iterations
-    unless not `recalibrate`), written to <run_dir>/config.yaml so that `python -m app train` can
-    repeat it."""
+def shape_config(shape: Shape, tiny: bool, run_dir: Path, recalibrate: bool = True,
+                 gpu: str = "h200-141g") -> ExperimentConfig:
+    """The experiment of one shape (a plan searched for one GPU of hardware preset `gpu`,
+    recalibrated after 2 iterations unless not `recalibrate`), written to <run_dir>/config.yaml so
+    that `python -m app train` can repeat it."""
     data = run_dir / "prompts.jsonl"
     write_prompts(data, shape.prompts * 2, shape.prompt_len)
     model, critic = ("tiny", "tiny-critic") if tiny else (shape.actor, shape.critic)
@@ -126,7 +129,7 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path, recalibrate: bool = Tr
     if shape.algorithm == "ppo":
         models["critic"] = {"preset": critic}
     cluster = ({"nodes": 1, "gpus_per_node": 1, "gpu": "cpu", "virtual_gpus": True, "dashboard": False} if tiny
-               else {"nodes": 1, "gpus_per_node": 1, "gpu": "h200-141g", "dashboard": False})
+               else {"nodes": 1, "gpus_per_node": 1, "gpu": gpu, "dashboard": False})
     raw = {
         "algorithm": shape.algorithm, "models": models,
         "batch": {"prompts": shape.prompts, "prompt_len": shape.prompt_len, "gen_len": shape.gen_len,
@@ -144,17 +147,17 @@ def shape_config(shape: Shape, tiny: bool, run_dir: Path, recalibrate: bool = Tr
     return load_config(run_dir / "config.yaml")
 
 
-def run_shape(shape: Shape, tiny: bool, out: Path, steady: int = 0) -> dict[str, Any]:
-    """Train one shape in a new directory out/<shape name>; returns what ran (iterations, OOM,
-    error) and the per-call comparison. steady > 0: the first plan kept for 1 + steady
-    iterations, measured over iterations 1..steady (module docstring)."""
+def run_shape(shape: Shape, tiny: bool, out: Path, steady: int = 0, gpu: str = "h200-141g") -> dict[str, Any]:
+    """Train one shape in a new directory out/<shape name>, planned with hardware preset `gpu`;
+    returns what ran (iterations, OOM, error) and the per-call comparison. steady > 0: the first
+    plan kept for 1 + steady iterations, measured over iterations 1..steady (module docstring)."""
     from app.run import Driver, DriverError
 
     run_dir = out / shape.name
     run_dir.mkdir(parents=True)  # out is this run's own directory: a second run never reuses a run.dir
     if steady:
         shape = replace(shape, iterations=1 + steady)
-    cfg = shape_config(shape, tiny, run_dir, recalibrate=not steady)
+    cfg = shape_config(shape, tiny, run_dir, recalibrate=not steady, gpu=gpu)
     start = time.perf_counter()
     error, iterations = "", 0
     try:
@@ -333,6 +336,8 @@ def main() -> None:
     parser.add_argument("--steady", type=int, default=0,
                         help="keep the first plan (no calibration) for 1 + STEADY iterations and compare each "
                              "call's estimate with its median over iterations 1..STEADY")
+    parser.add_argument("--gpu", default="h200-141g", choices=[n for n in HARDWARE_PRESETS if n != "cpu"],
+                        help="the hardware preset the plans are priced with (default h200-141g; ignored with --tiny)")
     args = parser.parse_args()
     if args.iterations < 0 or args.iterations == 1:
         parser.error(f"--iterations={args.iterations}: 0 (each shape's own) or >= 2 (iteration 1 is the one measured)")
@@ -353,7 +358,7 @@ def main() -> None:
     start_ray(args.tiny)
     results = []
     for shape in shapes:
-        results.append(run_shape(shape, args.tiny, out, args.steady))
+        results.append(run_shape(shape, args.tiny, out, args.steady, args.gpu))
         print_calls(results[-1])
         (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     measured = f"the median of iterations 1-{args.steady}" if args.steady else "iteration 1"

@@ -118,8 +118,16 @@ class OpEfficiency:
 # elementwise 1.07 -> 1.30 (ninth step): with only the token count symbolic in the fused kernels
 # (actors.engine.fusion) the peer bench's non-matmul GPU time fell by ~0.19 s of the training
 # call's 1.43 s term (factor 1.23) and by 0.12 s of a forward's 0.48 s (1.42); 1.30 sits between.
+# h100-80g: gemm kept at the H200's (the same tensor cores and power cap, and its measured matmul
+# rate, 787 TFLOP/s, is the H200's); decode and elementwise fitted to 12 calls of 3 first plans on a
+# lent H100 (0.5B, 1B, 3B; 2026-12-06): within 3.3% at the median, 11.5% at worst (12.5% with each
+# run left out of its own fit). elementwise x hbm_bw is ~5.6 TB/s on both cards: the fused
+# kernels run about as fast on the H100 as on the H200 although its HBM copies at 2.97 TB/s, not
+# 4.3 (they are not bound by HBM alone). With the H200's factors the H100's first plans were off
+# by 13% / 32% (docs/benchmarks.md, issue 27, eighteenth step).
 PRESET_EFFICIENCY: dict[str, OpEfficiency] = {
     "h200-141g": OpEfficiency(gemm=1.12, decode=1.06, elementwise=1.30),
+    "h100-80g": OpEfficiency(gemm=1.12, decode=1.16, elementwise=1.89),
 }
 
 

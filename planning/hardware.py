@@ -84,9 +84,18 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         name="a100-80g", peak_flops=312e12 * 0.75, hbm_bw=2.0e12 * 0.85, mem_bytes=80 * GiB * 0.92,
         intra_node_bw=240e9, inter_node_bw=25e9, host_bw=25e9, host_mem_bytes=128 * GiB,
     ),
+    # Measured on a lent H100 80GB HBM3 SXM (700 W; 2026-12-06, `python -m app profile --gpu h100-80g`):
+    # bf16 matmul 787.5 TFLOP/s (the H200's rate: the same tensor cores under the same power cap),
+    # HBM copy 2.97 TB/s (the H200's is 4.3), 79.2 GiB of which the profile counts 95% as usable,
+    # pinned host copies 55.2 GB/s each way alone and 36.7 both at once, 125.8 GiB of RAM on a
+    # one-GPU host (taken as 128 GiB as for h200-141g; a DGX H100 has 256 GiB per GPU: profile it).
+    # The per-layer and per-round decode terms are the H200's; the efficiencies are fitted to first
+    # plans on the H100 (planning.cost_terms.PRESET_EFFICIENCY). NVLink is not measured on one GPU; 360 GB/s is
+    # the H200's measured broadcast (same NVLink 4) rounded down.
     "h100-80g": HardwareSpec(
-        name="h100-80g", peak_flops=989e12 * 0.75, hbm_bw=3.35e12 * 0.85, mem_bytes=80 * GiB * 0.92,
-        intra_node_bw=360e9, inter_node_bw=50e9, host_bw=50e9, host_mem_bytes=256 * GiB, fp8_matmul=True,
+        name="h100-80g", peak_flops=787e12, hbm_bw=2.97e12, mem_bytes=79.2 * GiB * 0.95,
+        intra_node_bw=360e9, inter_node_bw=50e9, host_bw=36.7e9, host_mem_bytes=128 * GiB,
+        kernel_overhead_s=65e-6, generate_setup_s=9e-3, fp8_matmul=True,
     ),
     # Measured on the lent H200s: bf16 matmul 785 TFLOP/s, HBM copy 4.3 TB/s, NCCL bcast 367 GB/s.
     # kernel_overhead_s and generate_setup_s: fitted to the generate calls of 0.5B-8B models (a

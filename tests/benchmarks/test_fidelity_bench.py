@@ -112,3 +112,17 @@ def test_steady_and_iterations_exclude_each_other() -> None:
     done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--steady", "2", "--iterations", "3"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "--steady=2" in done.stderr, done.stderr[-2000:]
+
+
+def test_gpu_names_the_preset_a_shape_is_planned_with(tmp_path: Path) -> None:
+    """--gpu h100-80g (priced with the H100's preset on an H100) reaches each shape's config."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_bench import SHAPES, shape_config
+
+    cfg = shape_config(SHAPES[0], tiny=False, run_dir=tmp_path, recalibrate=False, gpu="h100-80g")
+    assert cfg.cluster.gpu == "h100-80g" and cfg.cluster.virtual_gpus is False
+    assert shape_config(SHAPES[0], tiny=False, run_dir=tmp_path).cluster.gpu == "h200-141g"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--gpu", "cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--gpu: invalid choice: 'cpu'" in done.stderr
