@@ -10,7 +10,9 @@ machinery (the Ray driver), TRL through GRPOTrainer with HF generation (benchmar
 The table gives seconds per step and completion tokens per second of the timed steps (a warm-up
 step each is left out: ours 1 + 3 iterations, TRL 1 + 2 steps), the ratio, and our calls' times;
 on the GPU also the step's floor at the measured ceilings (benchmarks/peer_floor.py: every row
-whole, and each prompt once) and our step against both.
+whole, and each prompt once) and our step against both. On the GPU our side is planned with, and
+the floor priced at, the hardware preset of the card it runs on (by its name: h200-141g,
+h100-80g; `--gpu` names another).
 
     python3 benchmarks/peer_bench.py              # GPU, about 6 minutes; writes out/peer/run-NNN/ (or --out)
     python3 benchmarks/peer_bench.py --tiny       # seconds on CPU: a tiny model, 4 prompts x 4, 16 + 16 tokens
@@ -42,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -51,10 +54,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from benchmarks.peer_floor import floor_lines
+from benchmarks.peer_floor import H200, floor_lines
 from benchmarks.peer_setup import PeerInputs, build_inputs
 from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
 from benchmarks.run_dirs import fresh_run_dir
+from cluster.resources import preset_for_gpu_name
+from planning.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from planning.models import ModelSpec
 
 
@@ -81,8 +86,9 @@ TINY_WORK = Work(4, 4, 16, 16)
 
 
 def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: Path, iterations: int,
-               overrides: list[str]) -> Path:
-    """The experiment YAML of our side (written beside the results, so the run can be repeated)."""
+               overrides: list[str], gpu: str = "h200-141g") -> Path:
+    """The experiment YAML of our side, planned for hardware preset `gpu` on the GPU (written
+    beside the results, so the run can be repeated)."""
     import yaml
 
     raw: dict[str, Any] = {
@@ -90,7 +96,7 @@ def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: 
         "models": {"actor": {"path": str(model_dir)}},
         "batch": {"prompts": work.prompts, "prompt_len": work.prompt_len, "gen_len": work.gen_len,
                   "group_size": work.group, "ppo_minibatches": 1, "ppo_epochs": 1},
-        "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu" if tiny else "h200-141g", "virtual_gpus": tiny,
+        "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "cpu" if tiny else gpu, "virtual_gpus": tiny,
                     "dashboard": False},
         "plan": {"mode": "heuristic", "seconds": 5},
         "run": {"name": "peer-grpo", "dir": str(run_dir), "iterations": iterations, "seed": 0},
@@ -157,10 +163,11 @@ def fmt(x: float, digits: int = 2) -> str:
     return "-" if not math.isfinite(x) else f"{x:,.{digits}f}"
 
 
-def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSpec | None = None) -> str:
+def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSpec | None = None,
+          hardware: HardwareSpec = H200) -> str:
     """One table: per system the timed steps, s/step, completion tokens per step and per second,
     the ratio to TRL; then our calls' times, the step's hardware floor (with `floor_spec`, the
-    model on the GPU: benchmarks/peer_floor.py) and each side's settings."""
+    model on the GPU, at `hardware`'s ceilings: benchmarks/peer_floor.py) and each side's settings."""
     base = next((r for r in results if r.name.startswith("TRL") and not r.error), None)
     header = (f"{'system':<28}{'timed steps':>12}{'s/step':>10}{'compl. tok/step':>17}{'compl. tok/s':>14}"
               f"{'vs TRL':>9}")
@@ -186,7 +193,7 @@ def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSp
                                       for name, v in r.gc_s.items()))
     if floor_spec is not None:
         ours = {r.name: r.seconds_per_step for r in results if r.name.startswith("realray") and not r.error}
-        lines += floor_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, ours)
+        lines += floor_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, ours, hardware)
     lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
     return "\n".join(lines)
 
@@ -213,6 +220,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--also", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE...]",
                         help="one more row of ours, with these overrides on top of --set (repeatable), e.g. "
                         "fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8")
+    parser.add_argument("--gpu", default=None, choices=[n for n in HARDWARE_PRESETS if n != "cpu"],
+                        help="the hardware preset our side is planned with and the floor's ceilings "
+                             "(default: the preset of this host's GPU by its name, h200-141g if unknown)")
     args = parser.parse_args(argv)
     try:
         args.also = [parse_also(text) for text in args.also]
@@ -236,6 +246,19 @@ def parse_also(text: str) -> tuple[str, list[str]]:
     return label.strip(), overrides
 
 
+def local_gpu_preset() -> str:
+    """The hardware preset of this host's first GPU, by the name nvidia-smi gives (asked there
+    rather than through torch, so that this process, which later runs TRL, holds no CUDA context
+    while our workers run); h200-141g where nvidia-smi cannot say."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                              capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "h200-141g"
+    name = done.stdout.strip()
+    return preset_for_gpu_name(name) if done.returncode == 0 and name else "h200-141g"
+
+
 def run_our_rows(args: argparse.Namespace, inputs: PeerInputs, work: Work, out: Path, start: float) -> list[SideResult]:
     """Ours with --set (retried uncompiled if the compiled run fails), then one row per --also."""
     iterations = args.iterations or (2 if args.tiny else 4)
@@ -244,7 +267,8 @@ def run_our_rows(args: argparse.Namespace, inputs: PeerInputs, work: Work, out: 
         overrides = [*args.overrides, *extra]
         run_dir = out / (f"realray-{label}-run" if label else "realray-run")
         name = f"realray GRPO ({label})" if label else "realray GRPO"
-        config = our_config(inputs.model_dir, inputs.prompts, work, args.tiny, run_dir, iterations, overrides)
+        config = our_config(inputs.model_dir, inputs.prompts, work, args.tiny, run_dir, iterations, overrides,
+                            args.gpu)
         ours = run_ours(config, overrides, run_dir, work, args.micro_batches, name)
         if ours.error and not args.tiny and "sampling.compile=false" not in overrides:
             # A failure to compile must not cost the comparison: once more, uncompiled.
@@ -262,6 +286,7 @@ def run_our_rows(args: argparse.Namespace, inputs: PeerInputs, work: Work, out: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tiny = args.tiny
+    args.gpu = "cpu" if tiny else (args.gpu or local_gpu_preset())
     work = TINY_WORK if tiny else GPU_WORK
     base = (args.out or Path(os.environ.get("OUT", "out")) / "peer").resolve()
     out = fresh_run_dir(base)  # this run's results; earlier runs under `base` stay as they are
@@ -281,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                   out, on_gpu=not tiny))
         print(f"TRL done at {time.perf_counter() - start:.1f} s", flush=True)
     model = "a tiny Llama (CPU)" if tiny else "Llama-3.2-1B shape, random weights, bf16, one GPU"
-    text = table(results, work, model, None if tiny else inputs.spec)
+    text = table(results, work, model, None if tiny else inputs.spec, hardware_preset(args.gpu))
     (out / "peer_bench.txt").write_text(text + "\n")
     summary = {"work": asdict(work), "results": [{**asdict(r), "seconds_per_step": r.seconds_per_step,
                                                   "tokens_per_s": r.tokens_per_s} for r in results]}

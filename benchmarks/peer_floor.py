@@ -1,8 +1,10 @@
 """The hardware floor of one GRPO step of the peer bench: its least time at the measured ceilings.
 
 Issue 27 asks for the step at most 1.6x "the floor computed from the measured ceilings", printed
-in the peer bench's table. The ceilings are the lent H200's (docs/benchmarks.md): bf16 matmul at
-785 TFLOP/s and HBM at 4.3 TB/s. The step's work, with P the matmul parameters (the LM head
+in the peer bench's table. The ceilings are a hardware preset's peak_flops and hbm_bw, which for
+h200-141g and h100-80g are measured on the lent cards (planning/hardware.py): the H200's bf16
+matmul at 785 TFLOP/s and HBM at 4.3 TB/s by default, the H100's 787 TFLOP/s and 2.97 TB/s when
+the bench runs there. The step's work, with P the matmul parameters (the LM head
 included, the embedding lookup not), R = prompts x group rows, prompt length p, n new tokens:
 
     prefill   2 P FLOPs per prompt token, plus causal attention (2 s^2 H D L FLOPs a sequence)
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planning.hardware import HardwareSpec, hardware_preset
 from planning.models import ModelSpec, param_specs
 
-PEAK_FLOPS = 785e12  # bf16 dense matmul measured on the lent H200
-HBM_BYTES_PER_S = 4.3e12  # HBM copy rate measured there
+H200 = hardware_preset("h200-141g")
+PEAK_FLOPS = H200.peak_flops  # bf16 dense matmul measured on the lent H200, 785 TFLOP/s
+HBM_BYTES_PER_S = H200.hbm_bw  # HBM copy rate measured there, 4.3 TB/s
 BF16_BYTES = 2
 
 
@@ -56,9 +60,10 @@ def matmul_params(spec: ModelSpec) -> float:
 
 
 def step_floor(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_len: int,
-               prompt_once: bool) -> StepFloor:
-    """The floor of one step (module docstring); `prompt_once` picks the variant."""
+               prompt_once: bool, hardware: HardwareSpec = H200) -> StepFloor:
+    """The floor of one step (module docstring) at `hardware`'s ceilings; `prompt_once` picks the variant."""
     P, rows, p, n = matmul_params(spec), prompts * group, prompt_len, gen_len
+    peak_flops, hbm_bw = hardware.peak_flops, hardware.hbm_bw
     hdl = spec.n_heads * spec.head_dim * spec.n_layers  # attention FLOPs per query-key pair / 4
     prompt_copies = prompts if prompt_once else rows
     # Forward FLOPs: the prompts (each copy attends causally within itself), then every row's
@@ -66,26 +71,27 @@ def step_floor(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_l
     prompt_flops = prompt_copies * (2.0 * P * p + 2.0 * p * p * hdl)
     response_flops = rows * (2.0 * P * n + hdl * (4.0 * n * p + 2.0 * n * n))
     kv_bytes_per_token = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * BF16_BYTES
-    weights_s = BF16_BYTES * P / HBM_BYTES_PER_S
-    projections_s = max(weights_s, 2.0 * rows * P / PEAK_FLOPS)
+    weights_s = BF16_BYTES * P / hbm_bw
+    projections_s = max(weights_s, 2.0 * rows * P / peak_flops)
     decode_s = 0.0
     for i in range(1, n):  # step i: every row holds p + i cached tokens
         cached = prompt_copies * p + rows * i
-        decode_s += projections_s + cached * kv_bytes_per_token / HBM_BYTES_PER_S
-    return StepFloor(prefill_s=prompt_flops / PEAK_FLOPS, decode_s=decode_s,
-                     training_s=3.0 * (prompt_flops + response_flops) / PEAK_FLOPS)
+        decode_s += projections_s + cached * kv_bytes_per_token / hbm_bw
+    return StepFloor(prefill_s=prompt_flops / peak_flops, decode_s=decode_s,
+                     training_s=3.0 * (prompt_flops + response_flops) / peak_flops)
 
 
 def floor_lines(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_len: int,
-                steps: dict[str, float]) -> list[str]:
-    """The table's floor lines: both variants, then each of `steps` ({system: s/step}) against them."""
-    whole, once = (step_floor(spec, prompts, group, prompt_len, gen_len, v) for v in (False, True))
-    lines = [f"floor at {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16 and {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
-             "(benchmarks/peer_floor.py): every row whole " + whole.describe() + "; each prompt once "
+                steps: dict[str, float], hardware: HardwareSpec = H200) -> list[str]:
+    """The table's floor lines at `hardware`'s ceilings: both variants, then each of `steps`
+    ({system: s/step}) against them."""
+    whole, once = (step_floor(spec, prompts, group, prompt_len, gen_len, v, hardware) for v in (False, True))
+    lines = [f"floor at {hardware.peak_flops / 1e12:.0f} TFLOP/s bf16 and {hardware.hbm_bw / 1e12:.2f} TB/s "
+             f"({hardware.name}; benchmarks/peer_floor.py): every row whole " + whole.describe() + "; each prompt once "
              + once.describe()]
     lines += [f"{name}: step {seconds:.2f} s = {seconds / whole.total_s:.2f}x / {seconds / once.total_s:.2f}x "
               "the two floors" for name, seconds in steps.items()]
     return lines
 
 
-__all__ = ["HBM_BYTES_PER_S", "PEAK_FLOPS", "StepFloor", "floor_lines", "matmul_params", "step_floor"]
+__all__ = ["H200", "HBM_BYTES_PER_S", "PEAK_FLOPS", "StepFloor", "floor_lines", "matmul_params", "step_floor"]

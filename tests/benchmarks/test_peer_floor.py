@@ -4,11 +4,15 @@ peer bench's table printing it."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from benchmarks.peer_bench import GPU_WORK, table
+from benchmarks.peer_bench import GPU_WORK, local_gpu_preset, table
 from benchmarks.peer_floor import HBM_BYTES_PER_S, PEAK_FLOPS, matmul_params, step_floor
 from benchmarks.peer_trl import SideResult
+from planning.hardware import hardware_preset
 from planning.models import model_preset
 
 pytestmark = pytest.mark.unit
@@ -50,3 +54,27 @@ def test_the_table_prints_both_floors_and_our_step_against_them() -> None:
     assert f"every row whole {whole:.2f} s" in text and f"each prompt once {once:.2f} s" in text
     assert f"realray GRPO: step 6.50 s = {6.5 / whole:.2f}x / {6.5 / once:.2f}x the two floors" in text
     assert "floor at" not in table([ours], GPU_WORK, "tiny")  # no spec (CPU): no floor
+
+
+def test_the_floor_at_the_h100_presets_ceilings() -> None:
+    """On an H100 the floor takes its measured ceilings: the K/V reads at 2.97 TB/s, the matmuls at 787 TFLOP/s."""
+    h100 = hardware_preset("h100-80g")
+    on_h100 = step_floor(SPEC, 64, 8, 128, 512, prompt_once=False, hardware=h100)
+    per_step = 2 * 512 * matmul_params(SPEC) / h100.peak_flops + 512 * (128 + 256) * 32768 / h100.hbm_bw
+    assert on_h100.decode_s == pytest.approx(511 * per_step, rel=1e-3)
+    assert on_h100.decode_s > step_floor(SPEC, 64, 8, 128, 512, prompt_once=False).decode_s
+    ours = SideResult("realray GRPO", step_s=[6.5, 6.5], tokens=[262_000, 262_000])
+    text = table([ours], GPU_WORK, "Llama-3.2-1B shape", SPEC, h100)
+    assert "floor at 787 TFLOP/s bf16 and 2.97 TB/s (h100-80g;" in text
+    assert f"every row whole {on_h100.total_s:.2f} s" in text
+
+
+def test_the_bench_takes_the_preset_of_the_gpu_nvidia_smi_names(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert local_gpu_preset() == "h100-80g"
+    fake.write_text("#!/bin/sh\nexit 9\n")  # no GPU it can name: the H200's preset, as before
+    assert local_gpu_preset() == "h200-141g"
