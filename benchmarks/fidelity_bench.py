@@ -219,13 +219,15 @@ def compare(run_dir: Path, measured: range = range(1, 2)) -> dict[str, Any]:
             "est_peak_after_gib": after.get("est_peak_after_gib"),
         })
     errors = {
-        "time_before": _errors(rows, "est_s", "measured_s"), "time_after_fit": _errors(rows, "est_after_s", "measured_s"),
+        "time_before": _errors(rows, "est_s", "measured_s"),
+        "time_after_fit": _errors(rows, "est_after_s", "measured_s"),
         "time_after_held_out": _errors(rows, "est_after_s", "held_out_s"),
         "mem_before": _errors(rows, "est_peak_gib", "measured_peak_gib"),
         "mem_after": _errors(rows, "est_peak_after_gib", "measured_peak_gib"),
     }
     switched = [entry for entry in plan.get("history", []) if entry.get("switched")]
-    return {"measured_iterations": list(measured), "calls": rows, "errors": errors, "switched_at": plan.get("since_iteration") if switched else None,
+    return {"measured_iterations": list(measured), "calls": rows, "errors": errors,
+            "switched_at": plan.get("since_iteration") if switched else None,
             "efficiency": (history or {}).get("efficiency"), "memory_scale": (history or {}).get("memory_scale"),
             "step": step_comparison(run_dir, records, history), "optimizer_offload": plan.get("optimizer_offload")}
 
