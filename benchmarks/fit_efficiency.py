@@ -6,7 +6,7 @@ Each RESULTS_DIR is what one run of `benchmarks/fidelity_bench.py` wrote on a GP
 run-NNN folder, or its --out for the newest run): fidelity.json and one directory per shape with
 its config.yaml and plan.json. Every call is priced at exactly the placement and execution its
 run used, and set against the seconds measured in iteration 1 (the plan before calibration;
-iteration 0 warms up). The factors (`planning.cost_terms.OpEfficiency`) are fitted to all calls
+iteration 0 warms up). The factors (`planning.efficiency.OpEfficiency`) are fitted to all calls
 of all runs at once, least squares on log time like `planning.calibrate`, and the script prints,
 per run, the median / max of |estimate / measured - 1| with:
 
@@ -16,7 +16,7 @@ per run, the median / max of |estimate / measured - 1| with:
 - held out: each run priced with factors fitted to the OTHER runs only (the fit's honest error;
   the preset's with a single run).
 
-The fitted factors are printed last, as `planning.cost_terms.PRESET_EFFICIENCY` takes them.
+The fitted factors are printed last, as `planning.efficiency.PRESET_EFFICIENCY` takes them.
 Nothing is written.
 """
 
@@ -37,7 +37,7 @@ from app.reporting.timeline import call_estimates  # noqa: E402
 from benchmarks.reprice_fidelity import results_dir, run_plan  # noqa: E402
 from planning.calibrate import fit_factors  # noqa: E402
 from planning.cost import PlanningProblem  # noqa: E402
-from planning.cost_terms import OpEfficiency  # noqa: E402
+from planning.efficiency import OpEfficiency  # noqa: E402
 from planning.plan import ExecutionPlan  # noqa: E402
 
 DEFAULT_FACTORS = ("gemm", "decode", "elementwise")

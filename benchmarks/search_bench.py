@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planning.algorithm_graphs import ppo_graph  # noqa: E402
 from planning.candidates import CandidateOptions, call_candidates, feasible_classes  # noqa: E402
 from planning.cost import PlanningProblem, rlhf_problem  # noqa: E402
-from planning.cost_terms import OpEfficiency  # noqa: E402
 from planning.dataflow import BatchShape  # noqa: E402
+from planning.efficiency import OpEfficiency  # noqa: E402
 from planning.hardware import hardware_preset  # noqa: E402
 from planning.layout import ClusterSpec  # noqa: E402
 from planning.models import model_preset  # noqa: E402

@@ -86,8 +86,9 @@ def cascade_batch(s: dict[str, int], device: torch.device) -> PackedBatch:
     history = torch.cat((torch.arange(n_prefix, device=device), back))
     cu_history = torch.tensor([0] + [s["prompt"]] * s["prompts"] + [s["prompt"] + s["completion"]] * n_rows,
                               device=device).cumsum(0).to(torch.int32)
+    history_sorted, history_order = torch.sort(history, stable=True)
     spans = PrefixSpans(n_prefix, cu_prefix, cu_suffix, s["prompt"], s["group"] * s["completion"], heads,
-                        history, cu_history, s["prompt"] + s["completion"], torch.argsort(history, stable=True))
+                        history, cu_history, s["prompt"] + s["completion"], history_order, history_sorted)
     return PackedBatch(cu, positions, max(seg), spans)
 
 

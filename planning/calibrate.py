@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from planning.cost import PlanningProblem, call_cost_levels
-from planning.cost_terms import MAX_EFFICIENCY, OpEfficiency
 from planning.dataflow import MultiTurn
+from planning.efficiency import MAX_EFFICIENCY, OpEfficiency
 from planning.plan import ExecutionPlan
 from planning.simulate import complete_plan, simulate
 

@@ -48,8 +48,9 @@ from dataclasses import dataclass, field, replace
 from planning.call_levels import level_execution, level_splits, split_of
 from planning.cost_multiturn import MULTI_TURN_PP_REASON
 from planning.cost_passes import forward_backward, generate_parts
-from planning.cost_terms import MODEL_FREE_S_PER_TOKEN, Links, OpEfficiency, call_geometry
+from planning.cost_terms import MODEL_FREE_S_PER_TOKEN, Links, call_geometry
 from planning.dataflow import MFC, ROLES, Graph
+from planning.efficiency import OpEfficiency
 from planning.layout import ClusterSpec, Layout
 from planning.models import ModelSpec
 from planning.offload import check_fractions, normalized

@@ -90,7 +90,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # pinned host copies 55.2 GB/s each way alone and 36.7 both at once, 125.8 GiB of RAM on a
     # one-GPU host (taken as 128 GiB as for h200-141g; a DGX H100 has 256 GiB per GPU: profile it).
     # The per-layer and per-round decode terms are the H200's; the efficiencies are fitted to first
-    # plans on the H100 (planning.cost_terms.PRESET_EFFICIENCY). NVLink is not measured on one GPU; 360 GB/s is
+    # plans on the H100 (planning.efficiency.PRESET_EFFICIENCY). NVLink is not measured on one GPU; 360 GB/s is
     # the H200's measured broadcast (same NVLink 4) rounded down.
     "h100-80g": HardwareSpec(
         name="h100-80g", peak_flops=787e12, hbm_bw=2.97e12, mem_bytes=79.2 * GiB * 0.95,

@@ -39,6 +39,8 @@ class PrefixSpans:
         hold: first every occurrence of each prefix token (T_k - (T_c - n_prefix_tokens) of them),
         then the single occurrence of each suffix token in stream order. The gather's backward
         sums the first part and copies the second (shared_prefix_attention).
+    history_sorted: int64 [T_k], history[history_order]: the compact position each of those
+        entries holds (made with the order, on the host, so no layer's backward gathers it).
     """
 
     n_prefix_tokens: int
@@ -51,12 +53,13 @@ class PrefixSpans:
     cu_history: Tensor
     max_history: int
     history_order: Tensor
+    history_sorted: Tensor
 
     def to(self, device: torch.device | str) -> PrefixSpans:
         return PrefixSpans(self.n_prefix_tokens, self.cu_prefix.to(device), self.cu_suffix.to(device),
                            self.max_prefix, self.max_group_suffix, self.head_rows.to(device),
                            self.history.to(device), self.cu_history.to(device), self.max_history,
-                           self.history_order.to(device))
+                           self.history_order.to(device), self.history_sorted.to(device))
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,12 @@ def shared_layout(tokens: Tensor, lengths: Sequence[int], prefix_lengths: Sequen
     history = torch.cat([_arange_from(a, b - a) for a, b in pairwise(cu_prefix)] + index)
     cu_history = torch.zeros(len(history_lens) + 1, dtype=torch.int32)
     cu_history[1:] = torch.cumsum(torch.tensor(history_lens, dtype=torch.int32), 0)
+    history_sorted, history_order = torch.sort(history, stable=True)  # the gather backward's order
     spans = PrefixSpans(n_prefix, torch.tensor(cu_prefix, dtype=torch.int32, device=device),
                         torch.tensor(cu_suffix, dtype=torch.int32, device=device), max(prefix_lens),
                         max(group_suffix), torch.tensor(head_rows, dtype=torch.int64, device=device),
                         history.to(device), cu_history.to(device), max(history_lens),
-                        torch.argsort(history, stable=True).to(device))
+                        history_order.to(device), history_sorted.to(device))
     packed = PackedBatch(cu.to(device=device, dtype=torch.int32), torch.cat(positions + suffix_positions).to(device),
                          max(seg_lengths), spans)
     first_index = torch.tensor(first_suffix, dtype=torch.int64)

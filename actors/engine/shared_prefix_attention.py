@@ -219,7 +219,7 @@ class _GatherHistory(torch.autograd.Function):
         n_p = spans.n_prefix_tokens
         n_repeated = grad_k.shape[0] - (ctx.n_tokens - n_p)  # occurrences of prefix tokens in `history`
         repeated, once = spans.history_order[:n_repeated], spans.history_order[n_repeated:]
-        prefix_token = spans.history.index_select(0, repeated)  # [n_repeated] which token each one is
+        prefix_token = spans.history_sorted[:n_repeated]  # which token each of `repeated` is
         grads = []
         for grad in (grad_k, grad_v):
             out = grad.new_empty((ctx.n_tokens, *grad.shape[1:]))

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 from actors.worker.profiler import MIN_EFFICIENCY, EngineTiming, ProfileSettings
 from planning.cost import ModelRole, PlanningProblem, call_cost_levels
-from planning.cost_terms import OpEfficiency
 from planning.dataflow import MFC, BatchShape, Graph
+from planning.efficiency import OpEfficiency
 from planning.hardware import HardwareSpec
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.plan import Placement

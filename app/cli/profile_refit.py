@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planning.cost_terms import OpEfficiency, preset_efficiency
+from planning.efficiency import OpEfficiency, preset_efficiency
 from planning.hardware import HardwareSpec, hardware_preset
 from planning.models import model_preset
 

@@ -20,8 +20,8 @@ from app.config.checks import generation_rounds, samples_per_prompt, uses_ref
 from app.config.experiment import ConfigError, ExperimentConfig, ManualPlacement, ModelSource
 from planning.algorithm_graphs import OUTCOME_ALGORITHMS, dpo_graph, outcome_graph, ppo_graph, remax_graph
 from planning.cost import ModelRole, PlanningProblem
-from planning.cost_terms import OpEfficiency, preset_efficiency
 from planning.dataflow import MFC, BatchShape, Graph, MultiTurn, prune_graph, with_entropy_bonus, with_staleness
+from planning.efficiency import OpEfficiency, preset_efficiency
 from planning.hardware import GiB, hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import ModelSpec, model_preset, validate_tp
@@ -114,7 +114,7 @@ def build_cluster(cfg: ExperimentConfig) -> ClusterSpec:
 def profile_efficiency(cfg: ExperimentConfig) -> OpEfficiency:
     """The op efficiencies of the measured profile (`plan.profile`, its "efficiency" block, as
     `python -m app profile` writes it; factors it does not name are 1.0); without a profile,
-    those fitted for the GPU preset (`planning.cost_terms.PRESET_EFFICIENCY`)."""
+    those fitted for the GPU preset (`planning.efficiency.PRESET_EFFICIENCY`)."""
     if cfg.plan.profile is None:
         return preset_efficiency(cfg.cluster.gpu)
     try:

@@ -57,7 +57,7 @@ def check_efficiency_fit(run: Path) -> None:
     own at known factors: the fit prices every call within 5% of them (tiny models leave the
     factors themselves only partly identifiable: fixed per-kernel costs dominate their calls)."""
     from benchmarks.fit_efficiency import fit, load_runs, run_errors
-    from planning.cost_terms import OpEfficiency
+    from planning.efficiency import OpEfficiency
 
     truth = OpEfficiency(gemm=0.6, decode=0.4, elementwise=0.8)
     results = json.loads((run / "fidelity.json").read_text())

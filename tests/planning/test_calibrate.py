@@ -9,8 +9,8 @@ import pytest
 from planning.algorithm_graphs import grpo_graph
 from planning.calibrate import CallMeasurement, calibrate, calibrated_problem
 from planning.cost import PlanningProblem, call_cost_levels, rlhf_problem
-from planning.cost_terms import OpEfficiency
 from planning.dataflow import BatchShape
+from planning.efficiency import OpEfficiency
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec
 from planning.models import model_preset

@@ -16,13 +16,9 @@ from planning.cost import (
     rlhf_problem,
     weight_bytes_per_gpu,
 )
-from planning.cost_terms import (
-    ELEMENTWISE_BYTES_PER_HIDDEN,
-    ELEMENTWISE_BYTES_PER_INTERMEDIATE,
-    OpEfficiency,
-    allreduce_s,
-)
+from planning.cost_terms import ELEMENTWISE_BYTES_PER_HIDDEN, ELEMENTWISE_BYTES_PER_INTERMEDIATE, allreduce_s
 from planning.dataflow import MFC, BatchShape, Graph
+from planning.efficiency import OpEfficiency
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

@@ -14,15 +14,9 @@ import pytest
 from app.config import build_problem, load_config
 from planning.algorithm_graphs import grpo_graph
 from planning.cost import PlanningProblem, call_cost, rlhf_problem
-from planning.cost_terms import (
-    GRAD_ACCUMULATION_TRAFFIC_PER_PARAM,
-    OPTIMIZER_TRAFFIC_PER_PARAM,
-    PRESET_EFFICIENCY,
-    OpEfficiency,
-    call_geometry,
-    preset_efficiency,
-)
+from planning.cost_terms import GRAD_ACCUMULATION_TRAFFIC_PER_PARAM, OPTIMIZER_TRAFFIC_PER_PARAM, call_geometry
 from planning.dataflow import BatchShape
+from planning.efficiency import PRESET_EFFICIENCY, OpEfficiency, preset_efficiency
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
 from planning.models import model_preset

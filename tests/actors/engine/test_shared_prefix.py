@@ -65,6 +65,7 @@ def test_layout_holds_each_prompt_once_and_maps_back_to_rows() -> None:
     n_repeated = spans.history.numel() - (compact.numel() - 16)
     assert torch.equal(held[n_repeated:], torch.arange(16, compact.numel()))
     assert bool((held[:n_repeated] < 16).all()) and bool((held[:n_repeated].diff() >= 0).all())
+    assert torch.equal(spans.history_sorted, held)  # what the gather's backward reads
     assert torch.equal(rows.first_targets, tokens[rows.first_suffix])
     assert shared_layout(tokens[:8], (4, 4), (4, 4), "cpu") is None  # A and D: nothing shared
 

@@ -36,7 +36,7 @@ from app.cli.profile import default_preset, format_table
 from app.config.experiment import load_config
 from app.config.problem import build_problem, manual_plan
 from planning.cost import call_cost
-from planning.cost_terms import OpEfficiency
+from planning.efficiency import OpEfficiency
 from planning.hardware import HardwareSpec, hardware_preset
 from planning.models import model_preset
 

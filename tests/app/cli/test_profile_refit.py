@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.__main__ import main
-from planning.cost_terms import OpEfficiency
+from planning.efficiency import OpEfficiency
 from planning.hardware import hardware_preset
 
 pytestmark = pytest.mark.unit
