@@ -51,6 +51,13 @@ class DecodeStep:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # attend_len -> (graph, output)
         self.key: tuple[int, ...] = ()
 
+    def for_cache(self, cache: HeadMajorKVCache) -> DecodeStep:
+        """The same step over another cache (one with fewer rows: actors.generation.compaction),
+        sharing this step's compiled forward; its graphs are captured afresh."""
+        step = DecodeStep(self.model, cache, self.use_cuda_graph)
+        step.forward = self.forward
+        return step
+
     def invalidate(self) -> None:
         """Drop the captured graphs (the next call re-captures)."""
         self.graphs.clear()

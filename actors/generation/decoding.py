@@ -43,6 +43,9 @@ class GenerationConfig:
     kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3, no scale: K/V are rounded to 3
     mantissa bits as they are cached and widened back as decode attention reads them; half the
     cache's bytes to hold and to read; the prefill attends its own prompt in full precision).
+    compact_fraction: once the rows still generating are at most this fraction of the decode
+    step's rows, the step drops the finished ones (`actors.generation.compaction`; the serial
+    loop, not the pipelined or multi-turn ones); 0 keeps every row to the end. In [0, 1).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -63,6 +66,7 @@ class GenerationConfig:
     fuse_qkv: bool = True
     fp8_weights: bool = False
     kv_cache_dtype: str = "auto"
+    compact_fraction: float = 0.75
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -75,6 +79,9 @@ class GenerationConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"GenerationConfig.kv_cache_dtype={self.kv_cache_dtype!r}: unknown; "
                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if not 0.0 <= self.compact_fraction < 1.0:
+            raise ValueError(f"GenerationConfig.compact_fraction={self.compact_fraction}: must be in [0, 1) "
+                             "(0 keeps finished rows in the decode step)")
         if self.attend_bucket < 1:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:

@@ -162,6 +162,7 @@ class HeadMajorKVCache(KVCache):
         # The rows of each group, int64 [G, R] (-1 pads short groups; set by SharedPrefill): with
         # it the prompt's part of the attention runs once per (group, KV head) (cascade).
         self.prefix_groups: Tensor | None = None
+        self.prefix_chunk_rows = MAX_PREFIX_TILE  # rows per chunk of prefix_groups (set with them)
         # Additive attention masks [n_seqs, 1, 1, attend_len] (0 visible, -inf hidden) of the
         # current decode step, keyed by (dtype, sliding_window): every layer of a step shares
         # one; `advance` (end of each forward) and `reset` drop them.

@@ -12,9 +12,11 @@ token tensors of different lengths. The call:
    the same prompt tensor (samples of one prompt) share one forward (actors.generation.prefill);
 3. decodes one token per sequence per step until every sequence has emitted EOS or
    max_new_tokens tokens. Finished sequences keep a fixed slot in the (static-shape) step, but
-   their tokens are ignored; the loop ends when all are done. The host reads that flag after it
-   has queued the next step (`FinishedFlag`), so the device never idles for the check; the
-   step queued after the last token is discarded;
+   their tokens are ignored, until the live ones fall to `compact_fraction` of the step's rows:
+   the step then drops the finished ones (actors.generation.compaction). The loop ends when all
+   are done. The host reads the count of live rows after it has queued the next step
+   (`FinishedFlag`), so the device never idles for the check; the step queued after the last
+   token is discarded;
 4. frees the cache and returns a frozen `GenerationOutput` (packed prompt+response ids,
    logprobs and top-k/top-p kept counts per response token, response lengths, no-EOS mask, and
    the seconds of its phases, `PhaseClock`).
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from actors.engine import ParallelGroups
+from actors.generation.compaction import RowCompactor
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
     GenerationConfig,
@@ -63,7 +66,8 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
 
     groups: this rank's process groups (tp ranks of one pipeline call it with the same prompts);
     None runs serially. With groups.layout.pp > 1, `model` is this rank's pipeline stage.
-    The output's `stats` hold the call's phases in seconds (`PhaseClock`) and "decode_steps".
+    The output's `stats` hold the call's phases in seconds (`PhaseClock`), "decode_steps" and
+    "compactions" (times the step dropped finished rows).
     """
     if groups is not None and groups.layout.pp > 1:
         return generate_pipelined(model, prompts, config, groups)
@@ -78,13 +82,22 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     finished = FinishedFlag(device) if config.stop_token is not None else None
+    compactor = RowCompactor(len(prompts), config)
     steps = 0
     for step in range(config.max_new_tokens):
         uniforms = config.step_uniforms(step, len(prompts), device)
+        if uniforms is not None and compactor.active is not None:
+            uniforms = uniforms[compactor.active]  # each row keeps the draws of its global row
         sampled = sample_tensor_parallel(logits, config.sampling, uniforms, tp_group)
-        next_tokens = recorder.record(None, step, sampled)
+        next_tokens = recorder.record(compactor.active, step, sampled)
         if step + 1 == config.max_new_tokens:
             break
+        if finished is not None and compactor.due(finished.live, step):
+            keep = compactor.compact(recorder.finished, cache)  # the step's live rows, moved to the front
+            if keep is None:
+                break
+            next_tokens = next_tokens[keep]
+            decode = decode.for_cache(cache)
         if finished is not None:
             finished.snapshot(recorder.finished)  # asynchronous: read after the next step is queued
         if step == 0 and device.type == "cuda":
@@ -101,32 +114,36 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     clock.mark("decode")
     del decode, cache  # the cache (and a captured graph's pool) is freed with the call
     out = recorder.output(prompts, prompt_tokens)
-    return dataclasses.replace(out, stats={**clock.seconds(), "decode_steps": float(steps)})
+    stats = {**clock.seconds(), "decode_steps": float(steps), "compactions": float(compactor.compactions)}
+    return dataclasses.replace(out, stats=stats)
 
 
 class FinishedFlag:
-    """Whether every sequence has finished, copied to the host without stopping the device: the
-    copy goes into page-locked memory behind the step that set it, and `all_set` waits for that
-    copy alone (work queued after it keeps running)."""
+    """How many sequences are still generating, copied to the host without stopping the device:
+    the copy goes into page-locked memory behind the step that set it, and `all_set` waits for
+    that copy alone (work queued after it keeps running). `live` is the count it last read."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(1, dtype=torch.bool, pin_memory=self.cuda)
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cuda)
         self.copied = torch.cuda.Event() if self.cuda else None
-        self.flag: Tensor | None = None
+        self.count: Tensor | None = None
+        self.live: int | None = None
 
     def snapshot(self, finished: Tensor) -> None:
         """finished: bool [B] on the device."""
-        self.flag = finished.all().reshape(1)
+        self.count = (~finished).sum().reshape(1)
         if self.copied is not None:
-            self.host.copy_(self.flag, non_blocking=True)
+            self.host.copy_(self.count, non_blocking=True)
             self.copied.record()
 
     def all_set(self) -> bool:
         if self.copied is None:
-            return bool(self.flag)
-        self.copied.synchronize()
-        return bool(self.host[0])
+            self.live = int(self.count)
+        else:
+            self.copied.synchronize()
+            self.live = int(self.host[0])
+        return self.live == 0
 
 
 class PhaseClock:

@@ -96,8 +96,8 @@ class SharedPrefill:
         self.cache.advance(self.rows_batch)  # every row's prompt length; the cache is now prefilled
         self.cache.prefix_rows.copy_(self.prefix_rows)  # in place: captured graphs read these buffers
         self.cache.prefix_lengths.copy_(self.cache.lengths)
-        self.cache.prefix_groups = group_table(self.members, MAX_PREFIX_TILE // self.query_group,
-                                               self.cache.lengths.device)
+        self.cache.prefix_chunk_rows = MAX_PREFIX_TILE // self.query_group
+        self.cache.prefix_groups = group_table(self.members, self.cache.prefix_chunk_rows, self.cache.lengths.device)
 
 
 def group_members(source: list[int]) -> list[list[int]]:

@@ -31,6 +31,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 PROMPT_LENGTHS = [5, 9, 1, 6, 3]
 MAX_NEW = 7
+COMPACTED_NEW = 40
 SAMPLED = SamplingParams(temperature=1.0, top_k=12, top_p=0.9)
 # (layout, pipeline micro-batches): pp with as many micro-batches as stages, and with more.
 LAYOUTS = [("tp2", None), ("pp2", None), ("pp2", 3)]
@@ -56,6 +57,10 @@ def configs(eos: int) -> dict[str, GenerationConfig]:
     return {
         "greedy": GenerationConfig(MAX_NEW, SamplingParams(temperature=0.0), eos_token_id=eos),
         "sampled": GenerationConfig(MAX_NEW, SAMPLED, seed=5, eos_token_id=eos),
+        # Long enough for the serial and tp loops to drop finished rows (actors.generation.compaction);
+        # the pipelined loop keeps them and must sample the same.
+        "compacted": GenerationConfig(COMPACTED_NEW, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
+                                      compact_fraction=0.9),
     }
 
 

@@ -1,0 +1,106 @@
+"""Dropping finished rows from the decode step: the step shrinks to the rows still generating.
+
+Why: a decode step costs the same for a row that has emitted EOS as for one still generating
+(the static-shape step keeps every row's slot), and at a few hundred rows its projections are
+compute-bound, so their time falls with the row count. When responses end at different lengths
+(the usual case: an EOS-terminated task), the last steps of a call run a few long responses in a
+batch sized for all of them. Each time the live rows fall to `GenerationConfig.compact_fraction`
+of the step's rows, the loop moves the live rows' cache to the front (`keep_cache_rows`) and
+continues with a step over those rows alone (a new CUDA graph; under torch.compile the second
+size recompiles once with the row count symbolic, later sizes reuse it).
+
+Nothing a row computes changes: its cache, position, random draws (by its global row,
+`RowCompactor.active`) and recorded outputs are its own. Row-wise results can differ in the last
+bits where a kernel picks another algorithm for another row count (cuBLAS), as between any two
+batch sizes.
+
+    compactor = RowCompactor(n_rows, config)
+    if compactor.due(live_rows, step):
+        keep = compactor.compact(recorder.finished, cache)   # int64 [n] of the step's rows, or None
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from actors.generation.decoding import GenerationConfig
+from actors.generation.kv_cache import HeadMajorKVCache
+from actors.generation.prefill import group_table
+
+# A compaction costs a host sync, the cache rows' copy and a CUDA graph capture (~0.1 s with
+# torch.compile): not worth it for the last few steps of a call.
+MIN_STEPS_LEFT = 16
+
+
+def keep_cache_rows(cache: HeadMajorKVCache, keep: Tensor) -> None:
+    """Keep only the cache rows `keep` (int64 [n], increasing, on the cache's device): row i of the
+    cache becomes old row keep[i], with its K/V (the written slots), length and shared-prompt
+    links. The buffers stay where they are (the cache is their first n rows), so the memory is
+    not returned; the per-row index tensors are new, so graphs captured before must be dropped."""
+    n = keep.numel()
+    if n == 0 or n > cache.n_seqs:
+        raise ValueError(f"keep_cache_rows: {n} rows of a cache of {cache.n_seqs}; need 1..n_seqs")
+    used = int(cache.lengths.max())  # slots [0, used) hold K/V; the next step writes at lengths[b]
+    for store in (cache.k, cache.v):
+        for layer, buf in store.items():
+            # Advanced indexing copies the picked rows out first, so rows moving down never
+            # overwrite a row still to be read. One-byte caches (e4m3) go through uint8.
+            raw = buf.view(torch.uint8) if buf.element_size() == 1 else buf
+            raw[:n, :, :used] = raw[keep, :, :used]
+            store[layer] = buf[:n]
+    groups = cache.prefix_rows[keep].tolist()  # a kept row's group: its old prompt row
+    first: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(groups):
+        first.setdefault(group, row)
+        members.setdefault(group, []).append(row)
+    device = cache.lengths.device
+    # Every row holds its own copy of its prompt (SharedPrefill), so a group's first kept row can
+    # serve the others whether or not the old first row was kept.
+    cache.prefix_rows = torch.tensor([first[group] for group in groups], dtype=torch.int64, device=device)
+    cache.prefix_lengths = cache.prefix_lengths[keep]
+    if cache.prefix_groups is not None:
+        cache.prefix_groups = group_table(list(members.values()), cache.prefix_chunk_rows, device)
+    cache.lengths = cache.lengths[keep]
+    cache.step_increment = cache.step_increment[keep]
+    cache.rows = torch.arange(n, device=device)
+    cache.step_masks.clear()
+    cache.n_seqs = n
+
+
+class RowCompactor:
+    """Which global rows the decode step holds (`active`: int64 [n] in step order, None while it
+    holds all of them), and when to drop the finished ones (module docstring)."""
+
+    def __init__(self, n_rows: int, config: GenerationConfig) -> None:
+        self.n_step_rows = n_rows
+        self.fraction = config.compact_fraction
+        self.max_new_tokens = config.max_new_tokens
+        self.active: Tensor | None = None
+        self.compactions = 0
+
+    def due(self, live_rows: int | None, step: int) -> bool:
+        """Whether to compact after sampling step `step`, with `live_rows` of the call's rows
+        still generating (as last read from the device; None: not known yet)."""
+        if live_rows is None or self.fraction <= 0.0:
+            return False
+        steps_left = self.max_new_tokens - step - 1
+        return 0 < live_rows <= self.fraction * self.n_step_rows and steps_left >= MIN_STEPS_LEFT
+
+    def compact(self, finished: Tensor, cache: HeadMajorKVCache) -> Tensor | None:
+        """Drop the step's finished rows from `cache` (finished: bool [n_rows_total], by global
+        row). Returns the kept step rows (int64 [n], to pick the next input with), or None when
+        none is live (the call is done). Reads the flags on the host."""
+        step_finished = finished if self.active is None else finished[self.active]
+        keep = torch.nonzero(~step_finished).squeeze(1)
+        if keep.numel() == 0:
+            return None
+        keep_cache_rows(cache, keep)
+        self.active = keep if self.active is None else self.active[keep]
+        self.n_step_rows = keep.numel()
+        self.compactions += 1
+        return keep
+
+
+__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows"]

@@ -1,0 +1,159 @@
+"""Decode with finished rows dropped (actors.generation.compaction) against keeping them, on
+responses that end at different lengths.
+
+    python3 benchmarks/compaction_bench.py              # one GPU: the peer bench's generation shape
+    python3 benchmarks/compaction_bench.py --cpu --tiny # seconds on CPU (checks the script)
+
+Shape (GPU): Llama-3.2-1B, 512 rows = 64 prompts x 8 samples, 128 prompt tokens, at most 512 new
+tokens sampled at temperature 1, CUDA graph + torch.compile, as benchmarks/peer_bench.py's
+generation call. Random weights never emit EOS on their own, so the bench plants one: the
+residual stream's coordinate 0 holds a constant (the embedding's column 0; the attention and MLP
+outputs scaled down so that it dominates the final norm), and the tied head's EOS row has a
+larger entry there (an untied head: the only entry there), so the EOS logit sits a fixed `b` above the others and every step ends a
+row with probability p = e^b / (e^b + V - 1): response lengths are geometric, mean about
+--mean-len, cut at the budget. The compute of a step is that of any weights of this shape.
+
+For each --fractions value (0: keep every row) one warm-up call, then --reps timed calls; the
+table gives the decode seconds (device time, graph captures included), response tokens per
+second, compactions per call and the speed-up over fraction 0. Every fraction samples with the
+same seed, so the rows' lengths agree up to bf16 ties (a different row count's GEMMs round
+differently); the table says how many rows agree with fraction 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engine.model import Transformer  # noqa: E402
+from actors.generation.decoding import GenerationConfig, GenerationOutput  # noqa: E402
+from actors.generation.loop import generate  # noqa: E402
+from actors.generation.sampling import SamplingParams  # noqa: E402
+from benchmarks.generate_bench import build_random_model  # noqa: E402
+from planning.layout import Layout  # noqa: E402
+from planning.models import model_preset  # noqa: E402
+
+RESIDUAL_CONSTANT = 2.0  # bf16 steps of 2**-6 around it: the EOS offset below is representable
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3.2-1b")
+    parser.add_argument("--prompts", type=int, default=64, help="distinct prompts")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--mean-len", type=float, default=200.0, help="mean response length the planted EOS aims at")
+    parser.add_argument("--fractions", default="0,0.75,0.5", help="GenerationConfig.compact_fraction values")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="float32 on CPU, eager steps")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset, 4 prompts x 4 of 8 tokens, 64 new tokens")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.preset, args.prompts, args.group, args.prompt_len, args.new_tokens = "tiny", 4, 4, 8, 64
+        args.mean_len, args.reps = min(args.mean_len, 24.0), 1
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if any(not 0.0 <= f < 1.0 for f in fractions) or 0.0 not in fractions:
+        raise SystemExit(f"--fractions {args.fractions}: each in [0, 1), and 0 among them (the baseline)")
+    if args.mean_len <= 1.0:
+        raise SystemExit(f"--mean-len {args.mean_len}: must be > 1")
+    args.fraction_list = fractions
+    return args
+
+
+def plant_eos(model: Transformer, eos: int, mean_len: float) -> float:
+    """Make every step end a row with probability 1 / mean_len (module docstring); returns the
+    EOS logit's offset b as planted (after rounding to the weights' dtype)."""
+    spec = model.spec
+    embedding = model.model.embed_tokens.weight
+    head = embedding if spec.tie_embeddings else model.lm_head.weight
+    # A tied head's column 0 is the constant itself (the same shift of every logit); an untied one's is 0.
+    base = RESIDUAL_CONSTANT if spec.tie_embeddings else 0.0
+    with torch.no_grad():
+        embedding.mul_(0.1)  # the other coordinates small against the constant
+        embedding[:, 0] = RESIDUAL_CONSTANT
+        if head is not embedding:
+            head.mul_(0.1)
+            head[:, 0] = base
+        for layer in model.model.layers.values():
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+            layer.self_attn.o_proj.weight[0] = 0.0  # coordinate 0 of the residual stays constant
+            layer.mlp.down_proj.weight.mul_(1e-3)
+            layer.mlp.down_proj.weight[0] = 0.0
+        # The final norm maps coordinate 0 to about sqrt(hidden); the head adds offset * that.
+        offset = math.log((spec.vocab_size - 1) / (mean_len - 1))
+        head[eos, 0] = base + offset / math.sqrt(spec.hidden_size)
+        planted = (float(head[eos, 0]) - base) * math.sqrt(spec.hidden_size)
+    return planted
+
+
+def timed_call(model: Transformer, prompts: list[torch.Tensor], config: GenerationConfig) -> GenerationOutput:
+    if prompts[0].is_cuda:
+        torch.cuda.synchronize()
+    return generate(model, prompts, config)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, float]]:
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    spec = model_preset(args.preset)
+    model = build_random_model(spec, Layout(), None, device, dtype)
+    eos = spec.eos_token_id if spec.eos_token_id is not None else 1
+    planted = plant_eos(model, eos, args.mean_len)
+    vocab = spec.vocab_size
+    expected = 1.0 / (math.exp(planted) / (math.exp(planted) + vocab - 1))
+    print(f"planted EOS offset {planted:.3f}: mean length {expected:.0f} before the {args.new_tokens}-token budget",
+          flush=True)
+    gen = torch.Generator().manual_seed(7)
+    distinct = [torch.randint(2, vocab, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
+    distinct = [torch.where(p == eos, eos + 1, p).to(device) for p in distinct]
+    prompts = [p for p in distinct for _ in range(args.group)]
+    cuda = device.type == "cuda"
+    rows: list[dict[str, float]] = []
+    baseline_lengths: list[int] | None = None
+    for fraction in args.fraction_list:
+        config = GenerationConfig(args.new_tokens, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
+                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction)
+        timed_call(model, prompts, config)  # compile, autotune, first captures
+        outs = [timed_call(model, prompts, config) for _ in range(args.reps)]
+        lengths = outs[-1].response_lengths.tolist()
+        baseline_lengths = lengths if baseline_lengths is None else baseline_lengths
+        decode_s = median(o.stats["decode_s"] for o in outs)
+        rows.append({"fraction": fraction, "decode_s": decode_s, "capture_s": median(o.stats["capture_s"] for o in outs),
+                     "compactions": outs[-1].stats["compactions"], "mean_len": sum(lengths) / len(lengths),
+                     "tokens_per_s": sum(lengths) / decode_s,
+                     "same_rows": sum(a == b for a, b in zip(lengths, baseline_lengths))})
+        print(f"measured fraction {fraction:g}: decode {decode_s:.3f} s", flush=True)
+    return rows
+
+
+def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
+    where = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+    n_rows = args.prompts * args.group
+    print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
+          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
+    base = next(r for r in rows if r["fraction"] == 0.0)
+    print(f"{'compact_fraction':>16} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'resp tok/s':>11} "
+          f"{'compactions':>12} {'speed-up':>9} {'same rows':>10}")
+    for r in rows:
+        print(f"{r['fraction']:>16g} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} {r['capture_s']:>10.3f} "
+              f"{r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} {base['decode_s'] / r['decode_s']:>8.2f}x "
+              f"{r['same_rows']:>6.0f}/{n_rows}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(2 if args.cpu else 1)
+    print_table(args, run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Dropping finished rows from the decode step (actors.generation.compaction): the cache rows'
+move, the shared-prompt links rebuilt for the kept rows, when the loop compacts, and generation
+with compaction against the same call keeping every row (same tokens and logprobs, per global
+row). CPU, float64 tiny models; the CUDA graph path in the gpu tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import CacheLayerShape
+from actors.engine.model import Transformer
+from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows
+from actors.generation.decoding import GenerationConfig, GenerationOutput
+from actors.generation.kv_cache import HeadMajorKVCache
+from actors.generation.loop import generate
+from actors.generation.sampling import SamplingParams
+from planning.models import ModelSpec
+
+torch.set_num_threads(1)
+
+# A small vocabulary makes the stop token likely enough that rows end at many different steps.
+SPEC = ModelSpec(name="compaction", family="llama", vocab_size=24, hidden_size=32, intermediate_size=64, n_layers=2,
+                 n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=256)
+EOS = 1
+
+
+def tiny_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float64) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(SPEC, device="meta")
+    model.to_empty(device=device)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.3)
+    return model.to(dtype).eval()
+
+
+def grouped_prompts(n_prompts: int, group: int, device: str = "cpu") -> list[torch.Tensor]:
+    """`group` rows per prompt, each row the same tensor object (so the prefill shares it)."""
+    gen = torch.Generator().manual_seed(7)
+    distinct = [torch.randint(3, SPEC.vocab_size, (3 + 2 * i,), generator=gen).to(device) for i in range(n_prompts)]
+    return [prompt for prompt in distinct for _ in range(group)]
+
+
+def cache_with_rows(n_rows: int, n_slots: int = 8) -> HeadMajorKVCache:
+    """A CPU cache whose K/V value at (row, head, slot, dim) encodes row and slot."""
+    cache = HeadMajorKVCache({0: CacheLayerShape(2, 4), 3: CacheLayerShape(2, 4)}, n_rows, n_slots, torch.float32,
+                             "cpu", kernel="sdpa")
+    code = torch.arange(n_rows, dtype=torch.float32)[:, None, None, None] * 100 \
+        + torch.arange(n_slots, dtype=torch.float32)[None, None, :, None]
+    for store in (cache.k, cache.v):
+        for buf in store.values():
+            buf.copy_(code.expand_as(buf))
+    return cache
+
+
+@pytest.mark.unit
+def test_keep_cache_rows_moves_written_slots_lengths_and_prompt_links() -> None:
+    cache = cache_with_rows(6)
+    cache.lengths.copy_(torch.tensor([5, 6, 4, 6, 5, 3]))
+    # Two prompts of 3 rows each (rows 0-2 read their prompt from row 0, rows 3-5 from row 3).
+    cache.prefix_rows.copy_(torch.tensor([0, 0, 0, 3, 3, 3]))
+    cache.prefix_lengths.copy_(torch.tensor([2, 2, 2, 3, 3, 3]))
+    cache.prefix_groups = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    cache.prefix_chunk_rows = 8
+    keep = torch.tensor([1, 2, 5])  # the first group's old first row is gone
+    keep_cache_rows(cache, keep)
+    assert cache.n_seqs == 3 and cache.lengths.tolist() == [6, 4, 3]
+    assert cache.prefix_rows.tolist() == [0, 0, 2] and cache.prefix_lengths.tolist() == [2, 2, 3]
+    assert cache.prefix_groups.tolist() == [[0, 1], [2, -1]]
+    assert cache.rows.tolist() == [0, 1, 2] and cache.step_increment.tolist() == [1, 1, 1]
+    for store in (cache.k, cache.v):
+        for buf in store.values():
+            assert buf.shape == (3, 2, 8, 4)
+            for new_row, old_row in enumerate(keep.tolist()):  # the slots written so far, [0, 6)
+                assert torch.equal(buf[new_row, :, :6, 0], torch.full((2, 6), old_row * 100.0) + torch.arange(6.0))
+
+
+@pytest.mark.unit
+def test_keep_cache_rows_of_an_e4m3_cache_and_bad_row_counts() -> None:
+    cache = HeadMajorKVCache({0: CacheLayerShape(1, 4)}, 3, 4, torch.float8_e4m3fn, "cpu", kernel="sdpa")
+    values = torch.tensor([1.0, 2.0, 4.0])[:, None, None, None].expand(3, 1, 4, 4)
+    cache.k[0].copy_(values.to(torch.float8_e4m3fn))
+    cache.v[0].copy_((2 * values).to(torch.float8_e4m3fn))
+    cache.lengths.fill_(4)
+    keep_cache_rows(cache, torch.tensor([2]))
+    assert cache.k[0].dtype == torch.float8_e4m3fn and cache.k[0].float().unique().tolist() == [4.0]
+    assert cache.v[0].float().unique().tolist() == [8.0]
+    with pytest.raises(ValueError, match="1 rows of a cache of 1|0 rows"):
+        keep_cache_rows(cache, torch.tensor([], dtype=torch.int64))
+
+
+@pytest.mark.unit
+def test_compactor_waits_for_the_fraction_and_enough_steps() -> None:
+    config = GenerationConfig(100, compact_fraction=0.5)
+    compactor = RowCompactor(8, config)
+    assert not compactor.due(None, 0) and not compactor.due(5, 0) and compactor.due(4, 0)
+    assert not compactor.due(0, 0)  # nothing live: the loop ends instead
+    assert compactor.due(4, 100 - 1 - MIN_STEPS_LEFT) and not compactor.due(4, 100 - MIN_STEPS_LEFT)
+    assert not RowCompactor(8, GenerationConfig(100, compact_fraction=0.0)).due(1, 0)
+    finished = torch.tensor([True, False, True, False, False, True, True, True])
+    cache = cache_with_rows(8)
+    assert compactor.compact(finished, cache).tolist() == [1, 3, 4] and compactor.active.tolist() == [1, 3, 4]
+    finished[3] = True  # global row 3: step row 1
+    assert compactor.compact(finished, cache).tolist() == [0, 2] and compactor.active.tolist() == [1, 4]
+    assert compactor.n_step_rows == 2 and cache.n_seqs == 2 and compactor.compactions == 2
+    assert compactor.compact(torch.ones(8, dtype=torch.bool), cache) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
+def test_compact_fraction_outside_0_1_is_refused(fraction: float) -> None:
+    with pytest.raises(ValueError, match=r"compact_fraction=.*\[0, 1\)"):
+        GenerationConfig(8, compact_fraction=fraction)
+
+
+def same_rows(a: GenerationOutput, b: GenerationOutput) -> None:
+    assert a.response_lengths.tolist() == b.response_lengths.tolist()
+    assert [r.tolist() for r in a.responses()] == [r.tolist() for r in b.responses()]
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+    assert a.no_eos.tolist() == b.no_eos.tolist()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "distinct-prompts"])
+def test_generation_with_compaction_equals_keeping_every_row(shared: bool) -> None:
+    """Sampling at temperature 1 with a likely stop token: rows end at many steps, the loop
+    compacts several times, and every row's tokens and logprobs are those of the call that keeps
+    all rows (its own cache, positions and random draws)."""
+    model = tiny_model(seed=2)
+    rows = grouped_prompts(4, 4) if shared else [p.clone() for p in grouped_prompts(4, 4)]
+    base = dict(max_new_tokens=60, sampling=SamplingParams(temperature=1.0), seed=11, eos_token_id=EOS)
+    kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))
+    compacted = generate(model, rows, GenerationConfig(**base, compact_fraction=0.75))
+    lengths = kept.response_lengths.tolist()
+    assert len(set(lengths)) >= 4 and min(lengths) < 60 - MIN_STEPS_LEFT  # rows end at different steps
+    assert kept.stats["compactions"] == 0.0 and compacted.stats["compactions"] >= 2.0
+    same_rows(compacted, kept)
+
+
+@pytest.mark.unit
+def test_greedy_compaction_keeps_rows_and_pads_finished_ones() -> None:
+    """Greedy (no random draws), a fraction that compacts after the first row stops: the same
+    output as keeping every row."""
+    model = tiny_model(seed=4)
+    rows = [prompt.clone() for prompt in grouped_prompts(6, 1)]
+    base = dict(max_new_tokens=40, sampling=SamplingParams(temperature=0.0), eos_token_id=2, pad_token_id=0)
+    kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))
+    compacted = generate(model, rows, GenerationConfig(**base, compact_fraction=0.9))
+    assert kept.response_lengths.tolist() == [2, 31, 40, 11, 7, 40] and compacted.stats["compactions"] == 3.0
+    same_rows(compacted, kept)
+
+
+@pytest.mark.unit
+def test_compiled_decode_step_recompiles_once_for_the_smaller_steps() -> None:
+    """torch.compile (inductor on CPU): the compacted steps reuse one compile with the row count
+    symbolic (plus one for a single row, which dynamo specialises), and sample what eager does."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(seed=2, dtype=torch.float32)
+    rows = grouped_prompts(4, 4)
+    base = dict(max_new_tokens=60, sampling=SamplingParams(temperature=1.0), seed=11, eos_token_id=EOS)
+    eager = generate(model, rows, GenerationConfig(**base))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(model, rows, GenerationConfig(**base, compile_decode=True))
+    assert compiled.stats["compactions"] >= 4.0
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    assert compiled.response_lengths.tolist() == eager.response_lengths.tolist()
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graph", "graph+compile"])
+def test_cuda_graph_steps_with_compaction_equal_keeping_every_row(compile_decode: bool) -> None:
+    """On CUDA: the Triton decode attention with the shared prompts' partials (prefix groups
+    rebuilt at each compaction), a CUDA graph per step size; the same tokens as keeping every
+    row, logprobs within bf16 rounding of a different row count's GEMMs."""
+    model = tiny_model(seed=2, device="cuda", dtype=torch.bfloat16)
+    rows = grouped_prompts(4, 8, device="cuda")
+    base = dict(max_new_tokens=60, sampling=SamplingParams(temperature=1.0), seed=11, eos_token_id=EOS,
+                use_cuda_graph=True, compile_decode=compile_decode)
+    kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))
+    compacted = generate(model, rows, GenerationConfig(**base))
+    assert compacted.stats["compactions"] >= 2.0
+    assert compacted.response_lengths.tolist() == kept.response_lengths.tolist()
+    assert [r.tolist() for r in compacted.responses()] == [r.tolist() for r in kept.responses()]
+    torch.testing.assert_close(compacted.logprobs, kept.logprobs, rtol=0, atol=3e-2)
