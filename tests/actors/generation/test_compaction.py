@@ -16,6 +16,7 @@ from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
 from planning.models import ModelSpec
+from tests.actors.generation import test_loop_phases as loop_phases
 
 torch.set_num_threads(1)
 
@@ -26,12 +27,7 @@ EOS = 1
 
 
 def tiny_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float64) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(SPEC, device="meta")
-    model.to_empty(device=device)
-    for param in model.parameters():
-        torch.nn.init.normal_(param, 0.0, 0.3)
-    return model.to(dtype).eval()
+    return loop_phases.tiny_model(seed, device, dtype, SPEC)
 
 
 def grouped_prompts(n_prompts: int, group: int, device: str = "cpu") -> list[torch.Tensor]:

@@ -24,9 +24,10 @@ SPEC = ModelSpec(name="loop-phases", family="llama", vocab_size=64, hidden_size=
 PHASES = {"prefill_s", "decode_s", "capture_s", "sync_wait_s", "decode_steps"}
 
 
-def tiny_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+def tiny_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               spec: ModelSpec = SPEC) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(SPEC, device="meta")
+    model = Transformer(spec, device="meta")
     model.to_empty(device=device)
     for param in model.parameters():
         torch.nn.init.normal_(param, 0.0, 0.3)
