@@ -43,6 +43,7 @@ def generation_config(ctx: CallContext, first_row: int, round_rows: range | None
         compile_decode=ctx.device.type == "cuda" and bool(p.get("compile", False)),
         fp8_weights=bool(p.get("fp8", False)),
         kv_cache_dtype=str(p.get("kv_cache_dtype", "auto")),
+        compact_fraction=float(p.get("compact_fraction", GenerationConfig.compact_fraction)),
         uniform_offset=round_rows.start if round_rows is not None else 0,
         uniform_total=len(ctx.my_rows) if round_rows is not None else None,
     )

@@ -72,6 +72,7 @@ class RolloutSettings:
     compile_decode: bool = False
     fp8_weights: bool = False  # sampling.fp8: decode with FP8 MLP and head copies
     kv_cache_dtype: str = "auto"  # sampling.kv_cache_dtype
+    compact_fraction: float = 0.75  # sampling.compact_fraction: finished rows leave the decode step
     # Multi-turn rollouts (app.algorithms.multiturn.env_params): what the worker builds the
     # environments from, and the token budget; None: single-turn generation.
     env: dict[str, Any] | None = None
@@ -82,6 +83,8 @@ class RolloutSettings:
         _check(self.temperature >= 0, "sampling.temperature", self.temperature, "must be >= 0 (0 = greedy)")
         _check(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        _check(0 <= self.compact_fraction < 1, "sampling.compact_fraction", self.compact_fraction,
+               "must be in [0, 1) (0 keeps finished rows in the decode step)")
         _check(self.reward_fn is None or ":" in self.reward_fn, "reward.function", self.reward_fn,
                "expected 'module:function' or 'file.py:function'")
 
@@ -95,7 +98,8 @@ class RolloutSettings:
                 "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed, "greedy": greedy,
                 "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id, "tokenizer": self.tokenizer,
                 "compile": self.compile_decode, "fp8": self.fp8_weights,
-                "kv_cache_dtype": self.kv_cache_dtype, **({"env": self.env} if self.env else {})}
+                "kv_cache_dtype": self.kv_cache_dtype, "compact_fraction": self.compact_fraction,
+                **({"env": self.env} if self.env else {})}
 
     def reward_params(self, in_prefix: str = "", out_key: str = "rewards") -> dict[str, Any]:
         if self.env:  # the environments' rewards, carried by the generation's rows

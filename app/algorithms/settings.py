@@ -82,6 +82,7 @@ def settings_from_config(cfg: Any, tokenizer: str | None, reward_fn: str | None,
                               seed=cfg.run.seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               tokenizer=tokenizer, reward_fn=reward_fn, compile_decode=s.compile,
                               fp8_weights=s.fp8, kv_cache_dtype=s.kv_cache_dtype,
+                              compact_fraction=s.compact_fraction,
                               env=env_params(cfg, tokenizer))
     clip_high = p.clip_eps_high
     if clip_high is None and cfg.algorithm == "dapo":

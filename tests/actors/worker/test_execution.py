@@ -5,6 +5,7 @@ garbage collections and compiles during it."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
@@ -99,6 +100,25 @@ def test_generation_with_fp8_keeps_the_prefill_and_changes_the_decode(option: di
              zip(fp8["logprobs"], bf16["logprobs"], fp8["response_ids"], bf16["response_ids"])
              if ta.numel() > 1 and tb.numel() > 1 and ta[1] == tb[1]]
     assert later and max(later) > 0  # the decode steps ran with other weights
+
+
+def test_compact_fraction_reaches_the_generation() -> None:
+    """params["compact_fraction"] (sampling.compact_fraction): with a 24-token vocabulary the stop
+    token ends rows early, 0.75 drops them from the decode step (the meta counts it), 0 keeps
+    them, and both sample the same responses."""
+    torch.set_num_threads(1)
+    worker = ModelWorker(0, 1, "cpu")
+    worker.load_model("actor", dataclasses.replace(SPEC, name="exec-small-vocab", vocab_size=24), False, ONE,
+                      None, 0, True, {"lr": 1e-2})
+    gen = torch.Generator().manual_seed(4)
+    prompts = {"row_start": 0, "n": N, "prompt_ids": [torch.randint(3, 24, (3 + i,), generator=gen) for i in range(N)]}
+    runs = {}
+    for fraction in (0.0, 0.75):
+        params = {"op": "generate", "max_new_tokens": 100, "seed": 5, "eos_token_id": 1, "compact_fraction": fraction}
+        runs[fraction] = worker.run_call(CallSpec("actor_gen", "actor", "generate", ONE, 0, N, params), prompts)
+    (kept_meta, kept), (compacted_meta, compacted) = runs[0.0], runs[0.75]
+    assert kept_meta["gen/compactions"] == 0 and compacted_meta["gen/compactions"] >= 1
+    assert [t.tolist() for t in compacted["response_ids"]] == [t.tolist() for t in kept["response_ids"]]
 
 
 def test_inference_with_a_token_budget_matches_one_micro_batch() -> None:

@@ -119,6 +119,8 @@ def test_every_worker_knob_is_reachable_from_yaml() -> None:
     assert settings_of("sampling.fp8=true", "ppo.recompute_logprobs=false").ppo.rollout_is is None
     kv = settings_of("sampling.kv_cache_dtype=fp8")
     assert kv.ppo.rollout_is == "token" and kv.rollout.generate_params()["kv_cache_dtype"] == "fp8"
+    assert settings_of().rollout.generate_params()["compact_fraction"] == 0.75
+    assert settings_of("sampling.compact_fraction=0").rollout.generate_params()["compact_fraction"] == 0.0
     assert settings_of("ppo.rollout_is=sequence", "ppo.rollout_is_threshold=3").ppo.rollout_is_threshold == 3.0
 
 
@@ -129,6 +131,8 @@ def test_every_worker_knob_is_reachable_from_yaml() -> None:
     ("ppo.recompute_logprobs=maybe", "ppo.recompute_logprobs"), ("ppo.rollout_is=geometric", "ppo.rollout_is"),
     ("ppo.rollout_is_threshold=0.5", "ppo.rollout_is_threshold"),
     ("sampling.kv_cache_dtype=int8", "sampling.kv_cache_dtype"), ("sampling.fp8=maybe", "sampling.fp8"),
+    ("sampling.compact_fraction=1", "sampling.compact_fraction"),
+    ("sampling.compact_fraction=-0.1", "sampling.compact_fraction"),
 ])
 def test_bad_worker_knobs_fail_naming_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as caught:
