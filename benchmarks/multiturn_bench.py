@@ -2,6 +2,7 @@
 
     python benchmarks/multiturn_bench.py              # one H200: Llama-3.2-1B shape, bf16, CUDA graphs
     python benchmarks/multiturn_bench.py --tiny       # seconds on CPU (checks the script)
+    python benchmarks/multiturn_bench.py --spread     # + trajectories of 1..4 turns, finished ones dropped or kept
 
 The issue's target shape: 64 prompts x 8 trajectories, 4 turns of up to 128 sampled tokens (EOS
 ignored, so every turn samples exactly 128), 32-token observations from an environment that sleeps
@@ -14,6 +15,10 @@ observation prefills) and the GPU idle gaps: the loop blocks in `poll` only whil
 decoding, so the longest such wait is the longest gap with nothing for the GPU to do (target: no
 gap longer than one environment step plus the loop's own latency). Random weights; one warm-up
 call of each before the timed ones.
+
+--spread (issue 27, finished rows leave the decode step): trajectory i's environment ends it after
+1 + i % turns turns, so a quarter of the rows stop after each turn; the multi-turn call is timed
+keeping every row in the decode step (compact_fraction 0) and dropping the finished ones (0.75).
 """
 
 from __future__ import annotations
@@ -52,18 +57,22 @@ class WideTokenizer(CharTokenizer):
 class SleepyEnv:
     """Sleeps `sleep_s` per step and answers `obs_chars` digits; never done (max_turns ends it)."""
 
-    def __init__(self, sleep_s: float = 0.02, obs_chars: int = 32) -> None:
-        self.sleep_s, self.obs_chars = float(sleep_s), int(obs_chars)
+    def __init__(self, sleep_s: float = 0.02, obs_chars: int = 32, spread: int = 0) -> None:
+        self.sleep_s, self.obs_chars, self.spread = float(sleep_s), int(obs_chars), int(spread)
+        self.turn, self.last = 0, None
 
     def reset(self, sample: dict) -> str:
+        # spread: sample i ends after 1 + i % spread turns (0: never done, max_turns ends it).
+        self.turn, self.last = 0, (1 + int(sample["prompt"]) % self.spread) if self.spread else None
         return "x" * 8
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
         time.sleep(self.sleep_s)
-        return "7" * self.obs_chars, 0.0, False, {}
+        self.turn += 1
+        return "7" * self.obs_chars, 0.0, self.last is not None and self.turn >= self.last, {}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model and shape (checks the script)")
     parser.add_argument("--prompts", type=int, default=64)
@@ -76,22 +85,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-graph", action="store_true", help="eager decode steps")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument("--spread", action="store_true", help="also time trajectories of 1..turns turns with "
+                        "finished rows kept in the decode step and dropped (compact_fraction 0 / 0.75)")
     parser.add_argument("--profile", action="store_true", help="after the timed calls, profile one multi-turn call "
                         "and print its kernels by device time")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         args.prompts, args.group, args.prompt_len, args.turn_tokens, args.obs_tokens = 4, 2, 8, 6, 4
         args.repeats = 1
     return args
 
 
-def sessions(args: argparse.Namespace, n: int, turns: int | None = None) -> EnvSessions:
+def sessions(args: argparse.Namespace, n: int, turns: int | None = None, spread: int = 0) -> EnvSessions:
     """The call's environments: SleepyEnv through the real EnvSessions (threads, timeouts), reset."""
     source = EnvSessions(
         env=f"{Path(__file__).resolve()}:SleepyEnv", samples=[{"prompt": str(i)} for i in range(n)],
         tokenizer=f"{Path(__file__).resolve()}:WideTokenizer", chat_template=False, observation_role="user",
         max_turns=turns or args.turns, max_observation_tokens=args.obs_tokens, env_timeout_s=30.0, env_workers=n,
-        reward_discount=1.0, env_kwargs={"sleep_s": args.env_sleep_s, "obs_chars": args.obs_tokens},
+        reward_discount=1.0, env_kwargs={"sleep_s": args.env_sleep_s, "obs_chars": args.obs_tokens, "spread": spread},
     )
     source.prompts()  # resets the environments; the trajectories start from the single-turn prompts
     return source
@@ -153,8 +164,30 @@ def profile_call(name: str, fn, device: torch.device, table: bool) -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
-def main() -> None:
-    args = parse_args()
+def spread_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
+                 turn_cfg: GenerationConfig, budget: int) -> list[str]:
+    """Table rows: trajectories of 1..turns turns, keeping and dropping the finished rows (median
+    seconds of the repeats after a warm-up of each); both must sample the same ids."""
+    device, rows, outputs = prompts[0].device, [], {}
+    for fraction in (0.0, 0.75):
+        config = dataclasses.replace(turn_cfg, compact_fraction=fraction)
+        seconds = []
+        for repeat in range(args.repeats + 1):
+            source = sessions(args, len(prompts), spread=args.turns)
+            elapsed, out = timed(lambda: generate_turns(model, prompts, config, budget, source), device)
+            source.close()
+            if repeat:  # the first is a warm-up
+                seconds.append(elapsed)
+        outputs[fraction] = out
+        rows.append(f"| 1..{args.turns} turns, compact_fraction {fraction} ({out.stats['compactions']:.0f} "
+                    f"compactions, {out.stats['decode_steps']:.0f} steps) | {statistics.median(seconds):.3f} s |")
+    same = sum(a.tolist() == b.tolist() for a, b in zip(outputs[0.0].responses, outputs[0.75].responses))
+    rows.append(f"| 1..{args.turns} turns: trajectories the same either way | {same}/{len(prompts)} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
     spec = model_preset("tiny" if args.tiny else "llama3.2-1b")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -214,6 +247,8 @@ def main() -> None:
     print(f"| GPU idle: all waiting, total / longest gap | {last['wait_s'] * 1000:.1f} / "
           f"{last['max_wait_s'] * 1000:.1f} ms |")
     print(f"| max logprob diff, loop vs fresh forward (8 rows) | {error:.4f} |")
+    if args.spread:
+        print("\n".join(spread_calls(args, model, prompts, turn_cfg, budget)))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ bits where a kernel picks another algorithm for another row count (cuBLAS), as b
 batch sizes.
 
     compactor = RowCompactor(n_rows, config)
-    if compactor.due(live_rows, step):
+    if compactor.due(live_rows, steps_left):
         keep = compactor.compact(recorder.finished, cache)   # int64 [n] of the step's rows, or None
+
+The serial loop (`actors.generation.loop`) and the multi-turn loop (`actors.generation.multiturn`,
+where a trajectory is finished once its environment ended it; paused ones keep their rows) use it.
 """
 
 from __future__ import annotations
@@ -76,16 +79,14 @@ class RowCompactor:
     def __init__(self, n_rows: int, config: GenerationConfig) -> None:
         self.n_step_rows = n_rows
         self.fraction = config.compact_fraction
-        self.max_new_tokens = config.max_new_tokens
         self.active: Tensor | None = None
         self.compactions = 0
 
-    def due(self, live_rows: int | None, step: int) -> bool:
-        """Whether to compact after sampling step `step`, with `live_rows` of the call's rows
-        still generating (as last read from the device; None: not known yet)."""
+    def due(self, live_rows: int | None, steps_left: int) -> bool:
+        """Whether to compact now, with `live_rows` of the call's rows still generating (as last
+        read from the device; None: not known yet) and at most `steps_left` decode steps to go."""
         if live_rows is None or self.fraction <= 0.0:
             return False
-        steps_left = self.max_new_tokens - step - 1
         return 0 < live_rows <= self.fraction * self.n_step_rows and steps_left >= MIN_STEPS_LEFT
 
     def compact(self, finished: Tensor, cache: HeadMajorKVCache) -> Tensor | None:

@@ -45,7 +45,7 @@ class GenerationConfig:
     cache's bytes to hold and to read; the prefill attends its own prompt in full precision).
     compact_fraction: once the rows still generating are at most this fraction of the decode
     step's rows, the step drops the finished ones (`actors.generation.compaction`; the serial
-    loop, not the pipelined or multi-turn ones); 0 keeps every row to the end. In [0, 1).
+    and multi-turn loops, not the pipelined one); 0 keeps every row to the end. In [0, 1).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.

@@ -92,7 +92,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
         next_tokens = recorder.record(compactor.active, step, sampled)
         if step + 1 == config.max_new_tokens:
             break
-        if finished is not None and compactor.due(finished.live, step):
+        if finished is not None and compactor.due(finished.live, config.max_new_tokens - step - 1):
             keep = compactor.compact(recorder.finished, cache)  # the step's live rows, moved to the front
             if keep is None:
                 break

@@ -14,6 +14,12 @@ turn starts from that forward's last logits. The source steps environments on it
 so decoding goes on while some trajectories wait; when every live trajectory waits, the loop
 blocks in `poll` until one answer arrives.
 
+Finished trajectories leave the decode step: once the live ones (decoding or waiting) are at
+most `config.compact_fraction` of the step's rows, their cache rows move to the front and a step
+over them alone goes on (`actors.generation.compaction`). The host keeps every row's state by its
+global row (`_Trajectories`); `step_rows` / `step_of` map between those and the step's rows, which
+the device-side tensors (logits, cache rows, random draws, the sampled tokens) are ordered by.
+
 Token in, token out: the output holds, per trajectory, exactly the ids sampled (mask 1, with their
 sampling logprobs) and the observation ids appended (mask 0, logprob 0), in order.
 
@@ -37,10 +43,11 @@ from torch.distributed import ProcessGroup
 
 from actors.engine import ParallelGroups, broadcast_from_first
 from actors.generation.cache_extension import CacheExtension, extension_batch
+from actors.generation.compaction import RowCompactor
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
 from actors.generation.fp8_weights import Fp8DecodeWeights
-from actors.generation.kv_cache import FusedQKV
+from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
 from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
 from actors.generation.turns import TurnResult, TurnSource
@@ -57,7 +64,8 @@ class TurnsOutput:
     logprobs[i]: float32 [r_i], sampling logprobs (0 on observations); turns[i]: turns sampled;
     no_eos[i]: the last turn ended without the stop token; length_cut[i]: the budget ended it.
     stats: loop counters (decode steps, observation prefills and their device seconds, seconds
-    blocked waiting for answers with no row decoding, in all and the longest such wait, and on
+    blocked waiting for answers with no row decoding, in all and the longest such wait, times the
+    step dropped finished trajectories ("compactions"), and on
     CUDA the seconds the host waited for each step's sampled tokens: near the call's decode time
     when the device sets the pace, near zero when the host does).
     """
@@ -94,15 +102,17 @@ class _Trajectories:
         self.turns = [0] * n
         self.no_eos = [False] * n
         self.length_cut = [False] * n
+        self.step_rows = np.arange(n)  # the global row of each decode step row
+        self.step_of = np.arange(n)  # the step row of each global row (-1: dropped, finished)
         self._uploaded: tuple[bytes, Tensor] | None = None  # the decoding mask on the device
         self._host: Tensor | None = None
 
     def host_buffer(self, device: torch.device) -> Tensor:
-        """float64 [2, B] host memory the sampled tokens and logprobs are copied into each step:
+        """float64 [2, n] host memory (n: the step's rows) the sampled tokens and logprobs are copied into each step:
         pinned on CUDA, so the copy does not wait for the decode step queued after it (it is read
         before the next step's copy is queued, so one buffer serves every step)."""
         if self._host is None:
-            self._host = torch.empty((2, len(self.decoding)), dtype=torch.float64,
+            self._host = torch.empty((2, len(self.step_rows)), dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
         return self._host
 
@@ -110,22 +120,23 @@ class _Trajectories:
         return np.flatnonzero(self.decoding)
 
     def active_on(self, device: torch.device) -> Tensor:
-        """int64 [B] 1 for the decoding rows, on `device`; uploaded only when the rows changed, from
-        pinned memory without waiting (a pageable upload every step would wait for the device)."""
-        key = self.decoding.tobytes()
+        """int64 [n] 1 for the step rows decoding, on `device`; uploaded only when the rows changed,
+        from pinned memory without waiting (a pageable upload every step would wait for the device)."""
+        decoding = self.decoding[self.step_rows]
+        key = decoding.tobytes()
         if self._uploaded is None or self._uploaded[0] != key:
-            host = torch.from_numpy(self.decoding.astype(np.int64))
+            host = torch.from_numpy(decoding.astype(np.int64))
             if device.type == "cuda":
                 host = host.pin_memory()
             self._uploaded = (key, host.to(device, non_blocking=True))
         return self._uploaded[1]
 
     def record(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> list[int]:
-        """Append each decoding row's sampled token (tokens/logprobs: [B], every row); return the
-        rows whose turn ended."""
-        picked = tokens[rows]
+        """Append each decoding row's sampled token (rows: global; tokens/logprobs: [n], every step
+        row); return the rows whose turn ended."""
+        picked = tokens[self.step_of[rows]]
         self.turn_ids[rows, self.turn_len[rows]] = picked
-        self.turn_logprobs[rows, self.turn_len[rows]] = logprobs[rows]
+        self.turn_logprobs[rows, self.turn_len[rows]] = logprobs[self.step_of[rows]]
         self.turn_len[rows] += 1
         self.used[rows] += 1
         self.lengths[rows] += 1
@@ -173,6 +184,23 @@ class _Trajectories:
 
     def live(self) -> bool:
         return bool(self.decoding.any() or self.waiting.any())
+
+    def finished(self) -> np.ndarray:
+        """bool [B]: the trajectories their environment (or the budget) ended."""
+        return ~(self.decoding | self.waiting)
+
+    def steps_left(self) -> int:
+        """At most how many more tokens a live trajectory samples (its budget left)."""
+        live = ~self.finished()
+        return int((self.budget - self.used[live]).max()) if live.any() else 0
+
+    def keep_step_rows(self, keep: np.ndarray) -> None:
+        """The step now holds only its rows `keep` (in order): remap, and drop the buffers sized
+        for the old step."""
+        self.step_rows = self.step_rows[keep]
+        self.step_of[:] = -1
+        self.step_of[self.step_rows] = np.arange(len(self.step_rows))
+        self._uploaded = self._host = None
 
 
 def _extend(model: nn.Module, cache: object, rows: list[int], observations: list[list[int]],
@@ -228,6 +256,7 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
     state = _Trajectories([p.numel() for p in prompts], config, budget)
     draws = _RowDraws(config, len(prompts), budget, device)
+    compactor = RowCompactor(len(prompts), config)
     stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "device_wait_s": 0.0}
     extensions: list[tuple[object, object]] = []  # device time of each observation prefill
     while state.live():
@@ -247,14 +276,29 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
         resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
         if resumed:
             begin = _mark(device)
-            ext = _extend(model, cache, [r for r, _, _ in resumed], [ids for _, _, ids in resumed],
-                          [s for _, s, _ in resumed], device)
+            step_rows = [int(state.step_of[row]) for row, _, _ in resumed]  # waiting rows are never dropped
+            ext = _extend(model, cache, step_rows, [ids for _, _, ids in resumed], [s for _, s, _ in resumed], device)
             logits = logits.clone()  # the decode step's output buffer is reused by the next step
-            logits[torch.tensor([r for r, _, _ in resumed], device=device)] = ext.to(logits.dtype)
+            logits[torch.tensor(step_rows, device=device)] = ext.to(logits.dtype)
             extensions.append((begin, _mark(device)))
+        if compactor.due(int((~state.finished()).sum()), state.steps_left()):
+            logits, decode = _drop_finished(compactor, state, cache, decode, logits, draws)
     stats["extensions"], stats["extend_s"] = float(len(extensions)), _seconds(extensions, device)
+    stats["compactions"] = float(compactor.compactions)
     del decode, cache
     return _output(prompts, state, config.sampling, stats)
+
+
+def _drop_finished(compactor: RowCompactor, state: _Trajectories, cache: HeadMajorKVCache, decode: DecodeStep,
+                   logits: Tensor, draws: _RowDraws) -> tuple[Tensor, DecodeStep]:
+    """Drop the finished trajectories from the decode step: their cache rows, logits and draws go,
+    the rest move to the front (paused rows stay); returns the kept rows' logits [n, V_local] and
+    the step over them."""
+    keep = compactor.compact(torch.from_numpy(state.finished()).to(logits.device), cache)
+    assert keep is not None  # due() needs a live row
+    draws.keep(keep)
+    state.keep_step_rows(keep.cpu().numpy())
+    return logits[keep], decode.for_cache(cache)
 
 
 class _RowDraws:
@@ -280,12 +324,18 @@ class _RowDraws:
     def advance(self, active: Tensor) -> None:
         self.counts += active
 
+    def keep(self, keep: Tensor) -> None:
+        """The step keeps only its rows `keep` (int64 [n]): their draws follow them."""
+        self.table = self.table[keep] if self.table is not None else None
+        self.counts = self.counts[keep]
+
 
 def _decode_step(decode: DecodeStep, logits: Tensor, rows: np.ndarray, state: _Trajectories,
                  config: GenerationConfig, draws: _RowDraws, tp_group: ProcessGroup | None, cache: object,
                  source: TurnSource | None, stats: dict[str, float]) -> Tensor:
-    """Sample for the decoding rows, feed their tokens (paused rows do not advance), hand the rows
-    whose turn ended to the source; returns the next logits [B, V_local].
+    """Sample for the decoding rows (global rows), feed their tokens (paused rows do not advance),
+    hand the rows whose turn ended to the source. logits: [n, V_local] over the step's n rows;
+    returns the next step's, the same shape.
 
     Order, so the device never waits for the host: the sampled tokens are copied to the host
     (asynchronously) and the next decode step is queued before the host reads them; the host's
@@ -303,7 +353,7 @@ def _decode_step(decode: DecodeStep, logits: Tensor, rows: np.ndarray, state: _T
     cache.step_increment.copy_(active)
     next_input = torch.where(active.bool(), sampled.tokens, torch.full_like(sampled.tokens, config.pad_token_id))
     # Every row's sampled token (the last of an ended turn too) is written to the cache here.
-    out = decode(next_input, attend_length(int(state.lengths.max()), 0, config, cache.max_len))
+    out = decode(next_input, attend_length(int(state.lengths[state.step_rows].max()), 0, config, cache.max_len))
     if copied is not None:
         waited = time.perf_counter()
         copied.synchronize()  # the copy only: the decode step queued after it keeps running

@@ -117,7 +117,7 @@ class SamplingConfig(TrainSection):
     step's rows, the finished ones leave the step (their cache moves out, a smaller step goes
     on; the samples do not change). 0 keeps every row to the end. Pays where responses end at
     different lengths: 1.66x faster decode on an H100 with lengths of mean 178 of 512
-    (docs/benchmarks.md, issue 27, nineteenth step). Single-turn generation without pp.
+    (docs/benchmarks.md, issue 27, nineteenth step). Single- and multi-turn generation, not under pp.
     """
 
     temperature: float = Field(1.0, ge=0.0)

@@ -89,10 +89,10 @@ def test_keep_cache_rows_of_an_e4m3_cache_and_bad_row_counts() -> None:
 def test_compactor_waits_for_the_fraction_and_enough_steps() -> None:
     config = GenerationConfig(100, compact_fraction=0.5)
     compactor = RowCompactor(8, config)
-    assert not compactor.due(None, 0) and not compactor.due(5, 0) and compactor.due(4, 0)
-    assert not compactor.due(0, 0)  # nothing live: the loop ends instead
-    assert compactor.due(4, 100 - 1 - MIN_STEPS_LEFT) and not compactor.due(4, 100 - MIN_STEPS_LEFT)
-    assert not RowCompactor(8, GenerationConfig(100, compact_fraction=0.0)).due(1, 0)
+    assert not compactor.due(None, 99) and not compactor.due(5, 99) and compactor.due(4, 99)
+    assert not compactor.due(0, 99)  # nothing live: the loop ends instead
+    assert compactor.due(4, MIN_STEPS_LEFT) and not compactor.due(4, MIN_STEPS_LEFT - 1)
+    assert not RowCompactor(8, GenerationConfig(100, compact_fraction=0.0)).due(1, 99)
     finished = torch.tensor([True, False, True, False, False, True, True, True])
     cache = cache_with_rows(8)
     assert compactor.compact(finished, cache).tolist() == [1, 3, 4] and compactor.active.tolist() == [1, 3, 4]

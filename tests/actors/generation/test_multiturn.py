@@ -157,6 +157,30 @@ def test_fp8_turns_equal_single_turn_fp8_and_stay_close_to_full_precision(option
     assert 0 < gaps.max() < 0.6 and gaps.mean() < 0.15, gaps
 
 
+@pytest.mark.parametrize("delays", [None, [0.0, 0.02, 0.0, 0.04, 0.01, 0.0, 0.03, 0.0]], ids=["at-once", "staggered"])
+def test_finished_trajectories_leave_the_step_and_change_nothing(delays: list[float] | None) -> None:
+    """Trajectories ending after 1 to 6 turns: the step drops the finished ones (while others
+    wait for their environment) and every trajectory's ids, masks, logprobs and turns are those
+    of the call that keeps every row; the resumed caches still equal a fresh forward."""
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6, 3, 7, 2, 4], seed=5)
+    turns = [1, 5, 2, 6, 1, 3, 6, 2]
+    runs = {}
+    for fraction in (0.0, 0.75):
+        config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3,
+                                  eos_token_id=EOS, compact_fraction=fraction)
+        runs[fraction] = generate_turns(model, prompts, config, 60, ScriptedTurns(prompts, turns, delay_s=delays))
+    kept, compacted = runs[0.0], runs[0.75]
+    assert kept.stats["compactions"] == 0 and compacted.stats["compactions"] >= 2
+    assert compacted.turns == kept.turns == turns
+    assert [r.tolist() for r in compacted.responses] == [r.tolist() for r in kept.responses]
+    assert [m.tolist() for m in compacted.response_masks] == [m.tolist() for m in kept.response_masks]
+    for a, b, fresh, mask in zip(compacted.logprobs, kept.logprobs, full_logprobs(model, compacted),
+                                 compacted.response_masks):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[mask.bool()], fresh[mask.bool()], atol=1e-5, rtol=0)
+
+
 def test_budget_ends_trajectories_and_observations_that_do_not_fit() -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=3))
     prompts = random_prompts(BASE["vocab_size"], [3, 3], seed=1)
@@ -183,8 +207,8 @@ def test_pipeline_layout_is_refused() -> None:
 @pytest.mark.gpu
 def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward() -> None:
     """On CUDA: CUDA-graph decode steps with the Triton decode attention (head_dim 32), paused rows
-    (step_increment 0) and observation prefills through the varlen kernel (bf16), against one
-    fresh forward of each whole conversation."""
+    (step_increment 0), observation prefills through the varlen kernel (bf16) and finished rows
+    dropped from the step, against one fresh forward of each whole conversation."""
     device = torch.device("cuda")
     hf = build_hf("Llama", seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -199,6 +223,7 @@ def test_cuda_graph_decode_and_varlen_prefill_equal_a_fresh_forward() -> None:
         mask = out.response_masks[i].bool()
         assert torch.allclose(out.logprobs[i][mask], fresh[i][mask], atol=0.1)  # bf16
     assert sum(out.turns) == 9
+    assert out.stats["compactions"] >= 1  # finished rows left the step: a new graph over the rest
 
 
 @pytest.mark.gpu

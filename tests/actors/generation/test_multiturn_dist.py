@@ -1,8 +1,9 @@
 """Multi-turn generation and its training side under tensor and pipeline parallelism (2 gloo processes).
 
-* generate_turns at tp=2 (the turn source on tp rank 0 only, its answers broadcast) samples what
-  the serial loop samples, token for token, with the same logprobs; on a Qwen2 shape with one KV
-  head, so K/V are replicated under tp and the observation prefill takes the kv_index path;
+* generate_turns at tp=2 (the turn source on tp rank 0 only, its answers broadcast), dropping
+  finished trajectories from its decode step, samples what the serial loop keeping every row
+  samples, token for token, with the same logprobs; on a Qwen2 shape with one KV head, so K/V
+  are replicated under tp and the observation prefill takes the kv_index path;
 * the training call's logprobs of a multi-turn rollout (ModelEngine.forward_logprobs at tp=2 and
   at pp=2) equal the generation's on every sampled position;
 * the policy loss of such a rollout (masked by its response_mask, as actors.worker.rollout packs
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ torch.set_num_threads(1)
 
 TURNS = [3, 2, 1, 1, 3, 2]  # rows 1 and 2 are two samples of one prompt (prompts_for shares it)
 BUDGET = 24
-CONFIG = GenerationConfig(4, SamplingParams(temperature=1.0), seed=7, eos_token_id=5)
+CONFIG = GenerationConfig(4, SamplingParams(temperature=1.0), seed=7, eos_token_id=5)  # compact_fraction 0.75
 
 
 class ImmediateTurns:
@@ -58,7 +60,7 @@ class ImmediateTurns:
 
 def summary(out: Any) -> dict[str, list]:
     return {"responses": [r.tolist() for r in out.responses], "logprobs": [lp.tolist() for lp in out.logprobs],
-            "masks": [m.tolist() for m in out.response_masks]}
+            "masks": [m.tolist() for m in out.response_masks], "compactions": out.stats["compactions"]}
 
 
 def packed(prompts: list[torch.Tensor], ref: dict[str, list]) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor]:
@@ -107,12 +109,14 @@ def test_multiturn_under_tp2_and_pp2_matches_serial(tmp_path: Path) -> None:
     path, _ = save_hf(tmp_path, "Qwen2")
     serial: Transformer = serial_model(path)
     prompts = prompts_for(serial.spec.vocab_size)
-    ref = summary(generate_turns(serial, prompts, CONFIG, BUDGET, ImmediateTurns(prompts)))
+    ref = summary(generate_turns(serial, prompts, dataclasses.replace(CONFIG, compact_fraction=0.0), BUDGET,
+                                 ImmediateTurns(prompts)))
     assert any(0.0 in m for m in ref["masks"]), "no observation was appended"
     per_rank = run_distributed(under_layouts, 2, str(path), ref)
     for rank_result in per_rank:
         got = rank_result["tp2/generate"]
         assert got["responses"] == ref["responses"] and got["masks"] == ref["masks"]
+        assert ref["compactions"] == 0 and got["compactions"] >= 1
         for a, b in zip(got["logprobs"], ref["logprobs"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     tokens, lengths, mask = packed(prompts, ref)
