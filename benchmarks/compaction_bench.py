@@ -6,12 +6,10 @@ responses that end at different lengths.
 
 Shape (GPU): Llama-3.2-1B, 512 rows = 64 prompts x 8 samples, 128 prompt tokens, at most 512 new
 tokens sampled at temperature 1, CUDA graph + torch.compile, as benchmarks/peer_bench.py's
-generation call. Random weights never emit EOS on their own, so the bench plants one: the
-residual stream's coordinate 0 holds a constant (the embedding's column 0; the attention and MLP
-outputs scaled down so that it dominates the final norm), and the tied head's EOS row has a
-larger entry there (an untied head: the only entry there), so the EOS logit sits a fixed `b` above the others and every step ends a
-row with probability p = e^b / (e^b + V - 1): response lengths are geometric, mean about
---mean-len, cut at the budget. The compute of a step is that of any weights of this shape.
+generation call. Random weights never emit EOS on their own, so the bench plants one
+(benchmarks/planted_eos.py): every step ends a row with the same probability, so response lengths
+are geometric, mean about --mean-len, cut at the budget. The compute of a step is that of any
+weights of this shape.
 
 For each --fractions value (0: keep every row) one warm-up call, then --reps timed calls; the
 table gives the decode seconds (device time, graph captures included), response tokens per
@@ -23,7 +21,6 @@ differently); the table says how many rows agree with fraction 0.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from statistics import median
@@ -37,11 +34,9 @@ from actors.generation.decoding import GenerationConfig, GenerationOutput  # noq
 from actors.generation.loop import generate  # noqa: E402
 from actors.generation.sampling import SamplingParams  # noqa: E402
 from benchmarks.generate_bench import build_random_model  # noqa: E402
+from benchmarks.planted_eos import expected_length, plant_eos  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import model_preset  # noqa: E402
-
-RESIDUAL_CONSTANT = 2.0  # bf16 steps of 2**-6 around it: the EOS offset below is representable
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -68,32 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def plant_eos(model: Transformer, eos: int, mean_len: float) -> float:
-    """Make every step end a row with probability 1 / mean_len (module docstring); returns the
-    EOS logit's offset b as planted (after rounding to the weights' dtype)."""
-    spec = model.spec
-    embedding = model.model.embed_tokens.weight
-    head = embedding if spec.tie_embeddings else model.lm_head.weight
-    # A tied head's column 0 is the constant itself (the same shift of every logit); an untied one's is 0.
-    base = RESIDUAL_CONSTANT if spec.tie_embeddings else 0.0
-    with torch.no_grad():
-        embedding.mul_(0.1)  # the other coordinates small against the constant
-        embedding[:, 0] = RESIDUAL_CONSTANT
-        if head is not embedding:
-            head.mul_(0.1)
-            head[:, 0] = base
-        for layer in model.model.layers.values():
-            layer.self_attn.o_proj.weight.mul_(1e-3)
-            layer.self_attn.o_proj.weight[0] = 0.0  # coordinate 0 of the residual stays constant
-            layer.mlp.down_proj.weight.mul_(1e-3)
-            layer.mlp.down_proj.weight[0] = 0.0
-        # The final norm maps coordinate 0 to about sqrt(hidden); the head adds offset * that.
-        offset = math.log((spec.vocab_size - 1) / (mean_len - 1))
-        head[eos, 0] = base + offset / math.sqrt(spec.hidden_size)
-        planted = (float(head[eos, 0]) - base) * math.sqrt(spec.hidden_size)
-    return planted
-
-
 def timed_call(model: Transformer, prompts: list[torch.Tensor], config: GenerationConfig) -> GenerationOutput:
     if prompts[0].is_cuda:
         torch.cuda.synchronize()
@@ -109,7 +78,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     eos = spec.eos_token_id if spec.eos_token_id is not None else 1
     planted = plant_eos(model, eos, args.mean_len)
     vocab = spec.vocab_size
-    expected = 1.0 / (math.exp(planted) / (math.exp(planted) + vocab - 1))
+    expected = expected_length(planted, vocab)
     print(f"planted EOS offset {planted:.3f}: mean length {expected:.0f} before the {args.new_tokens}-token budget",
           flush=True)
     gen = torch.Generator().manual_seed(7)

@@ -33,6 +33,12 @@ importable TRL the table says so and still measures ours.
 same call (its run.dir realray-LABEL-run/), e.g. `--also fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8`
 for FP8 rollouts beside the bf16 row and TRL.
 
+`--mean-len N` plants an EOS in the random weights (benchmarks/peer_setup.py): responses end at
+geometric lengths of mean about N instead of all running to 512, as on a task whose answers end.
+Both systems stop at it; ours drops finished rows from the decode step (sampling.compact_fraction),
+TRL's HF generate keeps them to the batch's end. The floor is not printed then (it assumes
+every row whole).
+
 Our side runs what a user runs: the plan's own micro-batching and no allocator setting.
 `--micro-batches N` forces N actor micro-batches instead, and `--expandable-segments` sets
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the bench's settings before 2026-12-02).
@@ -220,6 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--also", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE...]",
                         help="one more row of ours, with these overrides on top of --set (repeatable), e.g. "
                         "fp8:sampling.fp8=true,sampling.kv_cache_dtype=fp8")
+    parser.add_argument("--mean-len", type=float, default=None,
+                        help="plant an EOS in the weights: responses of about this mean length (default: none, "
+                             "every response runs to the budget)")
     parser.add_argument("--gpu", default=None, choices=[n for n in HARDWARE_PRESETS if n != "cpu"],
                         help="the hardware preset our side is planned with and the floor's ceilings "
                              "(default: the preset of this host's GPU by its name, h200-141g if unknown)")
@@ -228,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.also = [parse_also(text) for text in args.also]
     except ValueError as exc:
         parser.error(str(exc))
+    if args.mean_len is not None and args.mean_len <= 1:
+        parser.error(f"--mean-len={args.mean_len}: must be > 1")
     for name in ("iterations", "trl_steps"):
         value = getattr(args, name)
         if value is not None and value < 2:
@@ -295,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     start = time.perf_counter()
     inputs = build_inputs((args.inputs or base / ("inputs-tiny" if tiny else "inputs")).resolve(), tiny,
-                          n_prompts=4 * work.prompts, prompt_len=work.prompt_len)
+                          n_prompts=4 * work.prompts, prompt_len=work.prompt_len, mean_len=args.mean_len)
     print(f"inputs built in {time.perf_counter() - start:.1f} s: {inputs.model_dir}", flush=True)
     results = [] if args.skip_ours else run_our_rows(args, inputs, work, out, start)
     if not args.skip_trl:
@@ -306,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                                   out, on_gpu=not tiny))
         print(f"TRL done at {time.perf_counter() - start:.1f} s", flush=True)
     model = "a tiny Llama (CPU)" if tiny else "Llama-3.2-1B shape, random weights, bf16, one GPU"
-    text = table(results, work, model, None if tiny else inputs.spec, hardware_preset(args.gpu))
+    if args.mean_len is not None:
+        model += f", EOS planted for responses of mean ~{args.mean_len:g} tokens"
+    floor_spec = None if tiny or args.mean_len is not None else inputs.spec  # the floor: every row whole
+    text = table(results, work, model, floor_spec, hardware_preset(args.gpu))
     (out / "peer_bench.txt").write_text(text + "\n")
     summary = {"work": asdict(work), "results": [{**asdict(r), "seconds_per_step": r.seconds_per_step,
                                                   "tokens_per_s": r.tokens_per_s} for r in results]}

@@ -11,6 +11,10 @@ systems get the same prompt ids. Prompts are words of random letters, cut to exa
 `prompt_len` tokens.
 
     python3 benchmarks/peer_setup.py OUT_DIR [--tiny]     # writes OUT_DIR/model and OUT_DIR/prompts.jsonl
+
+--mean-len N plants the tokenizer's EOS in the weights (benchmarks/planted_eos.py): every sampled
+token is EOS with probability about 1/N, so responses end at geometric lengths of mean about N
+(cut at the budget), as on a task whose answers end; both systems stop at it.
 """
 
 from __future__ import annotations
@@ -88,11 +92,13 @@ def byte_level_bpe(vocab_size: int):  # -> tokenizers.Tokenizer
     return tokenizer
 
 
-def save_model_dir(out: Path, spec: ModelSpec, seed: int) -> ModelSpec:
+def save_model_dir(out: Path, spec: ModelSpec, seed: int, mean_len: float | None = None) -> ModelSpec:
     """A random-weight HF checkpoint of `spec` (bf16 safetensors) with its tokenizer; returns the
-    spec with the tokenizer's bos/eos ids."""
+    spec with the tokenizer's bos/eos ids. mean_len: plant the EOS (module docstring)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from benchmarks.planted_eos import plant_eos
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(spec.vocab_size), bos_token=SPECIALS[0],
                                         eos_token=SPECIALS[1], pad_token=SPECIALS[2])
@@ -101,6 +107,8 @@ def save_model_dir(out: Path, spec: ModelSpec, seed: int) -> ModelSpec:
     config = LlamaConfig(**fields, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if mean_len is not None:
+        plant_eos(model, tokenizer.eos_token_id, mean_len)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -136,11 +144,13 @@ def prompt_texts(tokenizer, n: int, length: int, seed: int) -> list[str]:  # tok
     return texts
 
 
-def build_inputs(out: Path, tiny: bool, n_prompts: int, prompt_len: int, seed: int = 0) -> PeerInputs:
-    """The model directory and `n_prompts` prompts of `prompt_len` tokens under `out`."""
+def build_inputs(out: Path, tiny: bool, n_prompts: int, prompt_len: int, seed: int = 0,
+                 mean_len: float | None = None) -> PeerInputs:
+    """The model directory and `n_prompts` prompts of `prompt_len` tokens under `out` (mean_len:
+    an EOS planted in the weights, module docstring)."""
     from transformers import AutoTokenizer
 
-    spec = save_model_dir(out / "model", TINY if tiny else LLAMA_1B, seed)
+    spec = save_model_dir(out / "model", TINY if tiny else LLAMA_1B, seed, mean_len)
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     path = out / "prompts.jsonl"
     with path.open("w", encoding="utf-8") as sink:
@@ -155,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (vocab 384) instead of Llama-3.2-1B")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--mean-len", type=float, default=None, help="plant an EOS: responses of about this mean")
     args = parser.parse_args(argv)
-    inputs = build_inputs(args.out, args.tiny, args.prompts, args.prompt_len)
+    if args.mean_len is not None and args.mean_len <= 1:
+        parser.error(f"--mean-len={args.mean_len}: must be > 1")
+    inputs = build_inputs(args.out, args.tiny, args.prompts, args.prompt_len, mean_len=args.mean_len)
     print(f"model: {inputs.model_dir} ({inputs.spec.vocab_size} tokens); prompts: {inputs.prompts}")
     return 0
 

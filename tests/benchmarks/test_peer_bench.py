@@ -31,6 +31,34 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
     assert all(len(ids) == 12 for ids in trl_ids)
 
 
+@pytest.mark.unit
+def test_a_planted_eos_ends_responses_at_the_mean_length_asked(tmp_path: Path) -> None:
+    """--mean-len 8: the saved checkpoint gives EOS probability ~1/8 at every position of any
+    input (so both systems' responses end at geometric lengths), against ~1/V without it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    probabilities = {}
+    for mean_len in (None, 8.0):
+        inputs = build_inputs(tmp_path / str(mean_len), tiny=True, n_prompts=2, prompt_len=8, mean_len=mean_len)
+        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=torch.float32)
+        ids = torch.randint(0, inputs.spec.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            eos = torch.softmax(model(ids).logits, dim=-1)[..., inputs.spec.eos_token_id]  # [4, 24]
+        probabilities[mean_len] = eos
+    assert probabilities[None].mean() < 3.0 / 384  # random weights: about 1 / vocabulary
+    assert torch.allclose(probabilities[8.0], torch.full_like(probabilities[8.0], 1 / 8), rtol=0.05)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["1", "0.5"])
+def test_mean_len_of_one_or_less_exits(value: str) -> None:
+    from benchmarks.peer_bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--mean-len", value])
+
+
 @pytest.mark.ray
 def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_path: Path,  # noqa: F811
                                                          capsys: pytest.CaptureFixture[str]) -> None:
