@@ -37,7 +37,10 @@ for FP8 rollouts beside the bf16 row and TRL.
 geometric lengths of mean about N instead of all running to 512, as on a task whose answers end.
 Both systems stop at it; ours drops finished rows from the decode step (sampling.compact_fraction),
 TRL's HF generate keeps them to the batch's end. The floor is not printed then (it assumes
-every row whole).
+every row whole). Both sides then train at learning rate 1e-12 instead of 1e-6: the plant scales
+the attention and MLP output projections down to ~2e-5 an entry, and one Adam step at 1e-6 (which
+moves every entry by about the learning rate) undoes it; the first H200 run with it sampled
+~500-token responses on both sides after the warm-up step. The work of a step is the same.
 
 Our side runs what a user runs: the plan's own micro-batching and no allocator setting.
 `--micro-batches N` forces N actor micro-batches instead, and `--expandable-segments` sets
@@ -87,12 +90,14 @@ class Work:
                 f"{self.gen_len} new tokens")
 
 
+LEARNING_RATE = 1e-6  # both sides
+PLANTED_EOS_LEARNING_RATE = 1e-12  # both sides with --mean-len (module docstring)
 GPU_WORK = Work(64, 8, 128, 512)
 TINY_WORK = Work(4, 4, 16, 16)
 
 
 def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: Path, iterations: int,
-               overrides: list[str], gpu: str = "h200-141g") -> Path:
+               overrides: list[str], gpu: str = "h200-141g", actor_lr: float = LEARNING_RATE) -> Path:
     """The experiment YAML of our side, planned for hardware preset `gpu` on the GPU (written
     beside the results, so the run can be repeated)."""
     import yaml
@@ -110,7 +115,7 @@ def our_config(model_dir: Path, prompts: Path, work: Work, tiny: bool, run_dir: 
         "reward": {"function": f"{ROOT / 'benchmarks' / 'peer_reward.py'}:response_length"},
         # On the GPU the decode step runs under torch.compile (as examples/ppo-1b-h200x2.yaml).
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "compile": not tiny},
-        "ppo": {"actor_lr": 1e-6, "max_grad_norm": 1.0, "weight_decay": 0.0},
+        "ppo": {"actor_lr": actor_lr, "max_grad_norm": 1.0, "weight_decay": 0.0},
         "grpo": {"kl_loss_coef": 0.0},
         "tracking": {"wandb": False, "console": False},
         "checkpoint": {"every": 0, "at_end": False},
@@ -257,6 +262,11 @@ def parse_also(text: str) -> tuple[str, list[str]]:
     return label.strip(), overrides
 
 
+def learning_rate(args: argparse.Namespace) -> float:
+    """Both sides' learning rate: tiny with a planted EOS, which a real step would undo."""
+    return PLANTED_EOS_LEARNING_RATE if args.mean_len is not None else LEARNING_RATE
+
+
 def local_gpu_preset() -> str:
     """The hardware preset of this host's first GPU, by the name nvidia-smi gives (asked there
     rather than through torch, so that this process, which later runs TRL, holds no CUDA context
@@ -279,7 +289,7 @@ def run_our_rows(args: argparse.Namespace, inputs: PeerInputs, work: Work, out: 
         run_dir = out / (f"realray-{label}-run" if label else "realray-run")
         name = f"realray GRPO ({label})" if label else "realray GRPO"
         config = our_config(inputs.model_dir, inputs.prompts, work, args.tiny, run_dir, iterations, overrides,
-                            args.gpu)
+                            args.gpu, learning_rate(args))
         ours = run_ours(config, overrides, run_dir, work, args.micro_batches, name)
         if ours.error and not args.tiny and "sampling.compile=false" not in overrides:
             # A failure to compile must not cost the comparison: once more, uncompiled.
@@ -312,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_trl:
         settings = TrlSettings(micro_batch=args.trl_micro_batch or (8 if tiny else 32), dtype=args.trl_dtype,
                                gradient_checkpointing=args.trl_gradient_checkpointing,
-                               steps=args.trl_steps or (2 if tiny else 3))
+                               steps=args.trl_steps or (2 if tiny else 3), learning_rate=learning_rate(args))
         results.insert(0, run_trl(inputs.model_dir, inputs.prompts, work.prompts, work.group, work.gen_len, settings,
                                   out, on_gpu=not tiny))
         print(f"TRL done at {time.perf_counter() - start:.1f} s", flush=True)

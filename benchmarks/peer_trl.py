@@ -23,12 +23,14 @@ from benchmarks.peer_reward import trl_reward_fn
 
 @dataclass(frozen=True)
 class TrlSettings:
-    """How TRL runs: micro-batch of completions, model dtype, gradient checkpointing, steps."""
+    """How TRL runs: micro-batch of completions, model dtype, gradient checkpointing, steps, the
+    learning rate."""
 
     micro_batch: int = 32
     dtype: str = "bfloat16"
     gradient_checkpointing: bool = False
     steps: int = 3  # the first is a warm-up
+    learning_rate: float = 1e-6
 
 
 @dataclass
@@ -103,8 +105,8 @@ def _train(result: SideResult, model_dir: Path, prompts_file: Path, n_prompts: i
 
     dtype = settings.dtype if on_gpu else "float32"
     args = GRPOConfig(
-        output_dir=str(out / "trl"), max_steps=settings.steps, learning_rate=1e-6, weight_decay=0.0,
-        max_grad_norm=1.0, per_device_train_batch_size=settings.micro_batch,
+        output_dir=str(out / "trl"), max_steps=settings.steps, learning_rate=settings.learning_rate,
+        weight_decay=0.0, max_grad_norm=1.0, per_device_train_batch_size=settings.micro_batch,
         gradient_accumulation_steps=batch // settings.micro_batch, num_generations=group,
         max_completion_length=gen_len, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1,
         bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=settings.gradient_checkpointing,
@@ -114,7 +116,7 @@ def _train(result: SideResult, model_dir: Path, prompts_file: Path, n_prompts: i
     result.settings = (f"HF generate, {batch} completions per step in micro-batches of {settings.micro_batch} "
                        f"(gradient accumulation {batch // settings.micro_batch}, one optimizer step), "
                        f"model {dtype}, bf16={on_gpu}, gradient_checkpointing={settings.gradient_checkpointing}, "
-                       "beta=0, num_iterations=1")
+                       f"beta=0, num_iterations=1, learning_rate={settings.learning_rate:g}")
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=trl_reward_fn(token_counts), args=args,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
