@@ -164,6 +164,18 @@ def profile_call(name: str, fn, device: torch.device, table: bool) -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
+def profile_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
+                  single_cfg: GenerationConfig, turn_cfg: GenerationConfig, budget: int) -> None:
+    """--profile: one single-turn call, one multi-turn call (with its kernel table) and the loop
+    alone, each under torch.profiler."""
+    device, n = prompts[0].device, len(prompts)
+    profile_call("single-turn", lambda: generate(model, prompts, single_cfg), device, table=False)
+    profile_call("multi-turn", lambda: generate_turns(model, prompts, turn_cfg, budget, sessions(args, n)), device,
+                 table=True)
+    profile_call("loop alone", lambda: generate_turns(model, prompts, single_cfg, args.turns * args.turn_tokens + 1,
+                                                      sessions(args, n, turns=1)), device, table=False)
+
+
 def spread_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
                  turn_cfg: GenerationConfig, budget: int) -> list[str]:
     """Table rows: trajectories of 1..turns turns, keeping and dropping the finished rows (median
@@ -218,11 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                           "failures": metrics.get("env/errors", 0.0) + metrics.get("env/timeouts", 0.0)})
         sampled = sum(int(m.sum()) for m in out.response_masks)
     if args.profile:
-        profile_call("single-turn", lambda: generate(model, prompts, single_cfg), device, table=False)
-        profile_call("multi-turn", lambda: generate_turns(model, prompts, turn_cfg, budget, sessions(args, n)), device,
-                     table=True)
-        profile_call("loop alone", lambda: generate_turns(model, prompts, single_cfg, args.turns * args.turn_tokens + 1,
-                                                          sessions(args, n, turns=1)), device, table=False)
+        profile_calls(args, model, prompts, single_cfg, turn_cfg, budget)
     # The loop alone: one turn of all the tokens, no environment (its own per-step cost).
     one_turn = dataclasses.replace(single_cfg)
     loop_s, _ = timed(lambda: generate_turns(model, prompts, one_turn, args.turns * args.turn_tokens + 1,
