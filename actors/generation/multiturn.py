@@ -108,9 +108,9 @@ class _Trajectories:
         self._host: Tensor | None = None
 
     def host_buffer(self, device: torch.device) -> Tensor:
-        """float64 [2, n] host memory (n: the step's rows) the sampled tokens and logprobs are copied into each step:
-        pinned on CUDA, so the copy does not wait for the decode step queued after it (it is read
-        before the next step's copy is queued, so one buffer serves every step)."""
+        """float64 [2, n] host memory (n: the step's rows) the sampled tokens and logprobs are
+        copied into each step: pinned on CUDA, so the copy does not wait for the decode step queued
+        after it (it is read before the next step's copy is queued, so one buffer serves every step)."""
         if self._host is None:
             self._host = torch.empty((2, len(self.step_rows)), dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
