@@ -8,7 +8,7 @@ May import actors.engine and actors.kernels. In dependency order:
   decoding     what to generate, the recorded output, the memory check, the prefilled cache
   decode_step  the cached decode step (CUDA graph, torch.compile)
   prefill      the prompts' forward, once per distinct prompt (samples of one prompt share it)
-  compaction   dropping finished rows from the decode step (the serial loop)
+  compaction   dropping finished rows from the decode step (the serial and multi-turn loops)
   pipelined  pipeline-parallel generation: micro-batches circulate through the stages
   loop       `generate`: the serial loop, or the pipelined one when the layout has pp > 1
   turns      what the multi-turn loop asks of the environments (`TurnSource`, `TurnResult`)

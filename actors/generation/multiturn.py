@@ -189,6 +189,9 @@ class _Trajectories:
         """bool [B]: the trajectories their environment (or the budget) ended."""
         return ~(self.decoding | self.waiting)
 
+    def live_count(self) -> int:
+        return int((self.decoding | self.waiting).sum())
+
     def steps_left(self) -> int:
         """At most how many more tokens a live trajectory samples (its budget left)."""
         live = ~self.finished()
@@ -281,7 +284,8 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
             logits = logits.clone()  # the decode step's output buffer is reused by the next step
             logits[torch.tensor(step_rows, device=device)] = ext.to(logits.dtype)
             extensions.append((begin, _mark(device)))
-        if compactor.due(int((~state.finished()).sum()), state.steps_left()):
+        # The live count falls only when an answer ends a trajectory: check then, not every step.
+        if len(resumed) < len(answered) and compactor.due(state.live_count(), state.steps_left()):
             logits, decode = _drop_finished(compactor, state, cache, decode, logits, draws)
     stats["extensions"], stats["extend_s"] = float(len(extensions)), _seconds(extensions, device)
     stats["compactions"] = float(compactor.compactions)
