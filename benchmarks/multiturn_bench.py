@@ -19,6 +19,13 @@ call of each before the timed ones.
 --spread (issue 27, finished rows leave the decode step): trajectory i's environment ends it after
 1 + i % turns turns, so a quarter of the rows stop after each turn; the multi-turn call is timed
 keeping every row in the decode step (compact_fraction 0) and dropping the finished ones (0.75).
+
+--read-lags 0,2: the multi-turn call timed with the host reading each decode step's ids
+immediately (0: it waits for step k before it queues step k+1) and up to 2 steps later (the
+loop's default, `READ_LAG`): the same ids either way, and how much of the call the host's stalls
+cost the GPU. With --mean-turn-len N those calls (last, after the rest) run on weights with an EOS
+planted (benchmarks/planted_eos.py): turns end at EOS after about N tokens (cut at --turn-tokens),
+so trajectories pause and resume at different steps, as an agent's tool calls do.
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from actors.generation import generate, generate_turns
 from actors.generation.decoding import GenerationConfig
+from actors.generation.multiturn import READ_LAG
 from actors.generation.sampling import SamplingParams
 from app.data.toy_task import CharTokenizer
 from app.envs.sessions import EnvSessions
 from benchmarks.generate_bench import build_random_model
+from benchmarks.planted_eos import plant_eos
 from planning.layout import Layout
 from planning.models import model_preset
 
@@ -87,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     parser.add_argument("--spread", action="store_true", help="also time trajectories of 1..turns turns with "
                         "finished rows kept in the decode step and dropped (compact_fraction 0 / 0.75)")
+    parser.add_argument("--read-lags", default="", help="comma-separated read_lag values to time the multi-turn "
+                        "call with (e.g. 0,2); the default run uses the loop's READ_LAG")
+    parser.add_argument("--mean-turn-len", type=float, default=0.0, help="with --read-lags: plant an EOS so turns "
+                        "end after about this many tokens (0: every turn samples --turn-tokens)")
     parser.add_argument("--profile", action="store_true", help="after the timed calls, profile one multi-turn call "
                         "and print its kernels by device time")
     args = parser.parse_args(argv)
@@ -198,6 +211,35 @@ def spread_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list
     return rows
 
 
+def lag_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
+              turn_cfg: GenerationConfig, budget: int) -> list[str]:
+    """Table rows: the multi-turn call at each --read-lags value (median seconds of the repeats
+    after a warm-up of each; sessions reset outside the timing); all must sample the same ids.
+    --mean-turn-len plants an EOS in `model` first (it stays planted)."""
+    device, rows, outputs = prompts[0].device, [], []
+    if args.mean_turn_len:
+        eos = model.spec.eos_token_id if model.spec.eos_token_id is not None else 1
+        plant_eos(model, eos, args.mean_turn_len)
+        turn_cfg = dataclasses.replace(turn_cfg, ignore_eos=False, eos_token_id=eos)
+    for lag in [int(x) for x in args.read_lags.split(",")]:
+        seconds = []
+        for repeat in range(args.repeats + 1):
+            source = sessions(args, len(prompts))
+            elapsed, out = timed(lambda: generate_turns(model, prompts, turn_cfg, budget, source, read_lag=lag), device)
+            source.close()
+            if repeat:
+                seconds.append(elapsed)
+        outputs.append(out)
+        sampled = sum(int(m.sum()) for m in out.response_masks)
+        eos = f", EOS planted: {sampled} sampled" if args.mean_turn_len else ""
+        rows.append(f"| multi-turn generation, read_lag {lag}{' (default)' if lag == READ_LAG else ''}{eos} | "
+                    f"{statistics.median(seconds):.3f} s (host waited {out.stats['device_wait_s']:.3f} s, "
+                    f"{out.stats['decode_steps']:.0f} steps) |")
+    same = sum(all(a.tolist() == b.tolist() for a, b in zip(o.responses, outputs[0].responses)) for o in outputs)
+    rows.append(f"| read lags sampling the first lag's ids | {same}/{len(outputs)} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
@@ -232,9 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile_calls(args, model, prompts, single_cfg, turn_cfg, budget)
     # The loop alone: one turn of all the tokens, no environment (its own per-step cost).
-    one_turn = dataclasses.replace(single_cfg)
+    one_turn, one_source = dataclasses.replace(single_cfg), sessions(args, n, turns=1)  # reset outside the timing
     loop_s, _ = timed(lambda: generate_turns(model, prompts, one_turn, args.turns * args.turn_tokens + 1,
-                                             sessions(args, n, turns=1)), device)
+                                             one_source), device)
+    one_source.close()
     single, multi = statistics.median(single_s), statistics.median(multi_s)
     error = cache_error(model, prompts, out)
     last = stats[-1]
@@ -252,11 +295,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| mean turns, env step (measured), failed steps | {last['turns']:.2f}, {last['env_step_s'] * 1000:.1f} ms, "
           f"{last['failures']:.0f} |")
     print(f"| host waiting for decode steps (device-bound share of the call) | {last['device_wait_s']:.3f} s |")
+    print(f"| host in the environments' submit and poll while rows decode | {last['env_calls_s']:.3f} s |")
     print(f"| GPU idle: all waiting, total / longest gap | {last['wait_s'] * 1000:.1f} / "
           f"{last['max_wait_s'] * 1000:.1f} ms |")
     print(f"| max logprob diff, loop vs fresh forward (8 rows) | {error:.4f} |")
     if args.spread:
         print("\n".join(spread_calls(args, model, prompts, turn_cfg, budget)))
+    if args.read_lags:
+        print("\n".join(lag_calls(args, model, prompts, turn_cfg, budget)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ May import actors.engine and actors.kernels. In dependency order:
   pipelined  pipeline-parallel generation: micro-batches circulate through the stages
   loop       `generate`: the serial loop, or the pipelined one when the layout has pp > 1
   turns      what the multi-turn loop asks of the environments (`TurnSource`, `TurnResult`)
+  turn_state  the multi-turn loop's per-row state on the device, and each step's readback
   multiturn  `generate_turns`: trajectories that pause for an environment and resume on their cache
 """
 

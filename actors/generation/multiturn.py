@@ -4,10 +4,12 @@
 
 Every trajectory keeps its KV cache slots for the whole call (prompt + `budget` tokens). Each decode
 step samples one token for every trajectory that is decoding; a trajectory whose turn ends (its
-stop token, `config.max_new_tokens` tokens this turn, or the budget spent) is handed to the
-`TurnSource` (actors.generation.turns) with the ids it sampled this turn and paused: the steps that
+stop token, `config.max_new_tokens` tokens this turn, or the budget spent) pauses: the steps that
 follow keep their static shape, but a paused row's length does not advance (`step_increment` 0),
-so the slot its step writes is overwritten later. When the source answers with observation ids,
+so the slot its step writes is overwritten later. The device decides which rows sample and which
+turns end (actors.generation.turn_state), so the host queues steps ahead: it reads each step's
+sampled ids up to `read_lag` steps later and then hands each ended turn to the `TurnSource`
+(actors.generation.turns) with the ids the trajectory sampled in it. When the source answers with observation ids,
 they are prefilled at the trajectory's current length through a `CacheExtension` (one packed
 forward for every trajectory answered at that moment; no re-prefill of the history) and its next
 turn starts from that forward's last logits. The source steps environments on its own threads,
@@ -50,9 +52,13 @@ from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
 from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
+from actors.generation.turn_state import DeviceTurns, StepReadback
 from actors.generation.turns import TurnResult, TurnSource
 
 POLL_WAIT_S = 0.05  # longest single wait in `poll` while every live trajectory waits
+# Decode steps the host queues beyond the last one it has read: the device runs on through host
+# stalls up to this many steps long (its bookkeeping, submits, environment threads holding the GIL).
+READ_LAG = 2
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,10 @@ class TurnsOutput:
 
 
 class _Trajectories:
-    """Host-side state of every row: what it sampled and observed, and where it stands. Per-step
-    bookkeeping is vectorised (numpy over the rows): it runs while the device decodes the next
-    step, and must stay shorter than that step."""
+    """Host-side state of every row: what it sampled and observed, and where it stands, as of the
+    last step read (`record`) and the answers served. Per-step bookkeeping is vectorised (numpy
+    over the rows): it runs while the device decodes the steps queued after the one it reads.
+    `lengths` and `used` of a waiting row equal the device's (it has not advanced since)."""
 
     def __init__(self, prompt_lengths: list[int], config: GenerationConfig, budget: int) -> None:
         n = len(prompt_lengths)
@@ -104,49 +111,34 @@ class _Trajectories:
         self.length_cut = [False] * n
         self.step_rows = np.arange(n)  # the global row of each decode step row
         self.step_of = np.arange(n)  # the step row of each global row (-1: dropped, finished)
-        self._uploaded: tuple[bytes, Tensor] | None = None  # the decoding mask on the device
-        self._host: Tensor | None = None
 
-    def host_buffer(self, device: torch.device) -> Tensor:
-        """float64 [2, n] host memory (n: the step's rows) the sampled tokens and logprobs are
-        copied into each step: pinned on CUDA, so the copy does not wait for the decode step queued
-        after it (it is read before the next step's copy is queued, so one buffer serves every step)."""
-        if self._host is None:
-            self._host = torch.empty((2, len(self.step_rows)), dtype=torch.float64,
-                                     pin_memory=device.type == "cuda")
-        return self._host
+    def may_sample(self, unread: int) -> bool:
+        """Whether a step queued now may sample for some row, as far as the host knows with
+        `unread` steps queued and not yet read (each samples at most one token per row)."""
+        rows = self.decoding_rows()
+        left = np.minimum(self.config.max_new_tokens - self.turn_len[rows], self.budget - self.used[rows])
+        return bool((left > unread).any())
 
     def decoding_rows(self) -> np.ndarray:
         return np.flatnonzero(self.decoding)
 
-    def active_on(self, device: torch.device) -> Tensor:
-        """int64 [n] 1 for the step rows decoding, on `device`; uploaded only when the rows changed,
-        from pinned memory without waiting (a pageable upload every step would wait for the device)."""
-        decoding = self.decoding[self.step_rows]
-        key = decoding.tobytes()
-        if self._uploaded is None or self._uploaded[0] != key:
-            host = torch.from_numpy(decoding.astype(np.int64))
-            if device.type == "cuda":
-                host = host.pin_memory()
-            self._uploaded = (key, host.to(device, non_blocking=True))
-        return self._uploaded[1]
-
-    def record(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> list[int]:
-        """Append each decoding row's sampled token (rows: global; tokens/logprobs: [n], every step
-        row); return the rows whose turn ended."""
-        picked = tokens[self.step_of[rows]]
+    def record(self, values: np.ndarray) -> list[int]:
+        """Append one step's sampled tokens (values: float64 [READBACK_ROWS, n] over the step's rows,
+        `turn_state.StepReadback`) to the rows that sampled; return the global rows whose turn
+        ended (the device decided which: `DeviceTurns.advance`)."""
+        sampled = np.flatnonzero(values[2] > 0)
+        rows = self.step_rows[sampled]
+        picked = values[0, sampled].astype(np.int64)
         self.turn_ids[rows, self.turn_len[rows]] = picked
-        self.turn_logprobs[rows, self.turn_len[rows]] = logprobs[self.step_of[rows]]
+        self.turn_logprobs[rows, self.turn_len[rows]] = values[1, sampled]
         self.turn_len[rows] += 1
         self.used[rows] += 1
         self.lengths[rows] += 1
+        ended = np.flatnonzero(values[3] > 0)
         stop = self.config.stop_token
-        hit_stop = picked == stop if stop is not None else np.zeros(len(rows), dtype=bool)
-        over = (self.turn_len[rows] >= self.config.max_new_tokens) | (self.used[rows] >= self.budget)
-        ended = rows[hit_stop | over]
-        for row, hit in zip(ended.tolist(), hit_stop[hit_stop | over].tolist()):
-            self.no_eos[row] = not hit
-        return ended.tolist()
+        for row, token in zip(self.step_rows[ended].tolist(), values[0, ended].tolist()):
+            self.no_eos[row] = stop is None or int(token) != stop
+        return self.step_rows[ended].tolist()
 
     def end_turn(self, row: int) -> list[int]:
         """Close the row's turn (it now waits); returns the ids it sampled in that turn."""
@@ -203,7 +195,6 @@ class _Trajectories:
         self.step_rows = self.step_rows[keep]
         self.step_of[:] = -1
         self.step_of[self.step_rows] = np.arange(len(self.step_rows))
-        self._uploaded = self._host = None
 
 
 def _extend(model: nn.Module, cache: object, rows: list[int], observations: list[list[int]],
@@ -236,11 +227,14 @@ def _seconds(spans: list[tuple[object, object]], device: torch.device) -> float:
 
 @torch.no_grad()
 def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationConfig, budget: int,
-                   source: TurnSource | None, groups: ParallelGroups | None = None) -> TurnsOutput:
+                   source: TurnSource | None, groups: ParallelGroups | None = None,
+                   read_lag: int = READ_LAG) -> TurnsOutput:
     """Multi-turn generation for prompts (1-D token tensors); see the module docstring.
 
     config.max_new_tokens: sampled tokens per turn; budget: tokens per trajectory after its prompt
-    (sampled and observed); source: the environments (None on tp ranks other than 0).
+    (sampled and observed); source: the environments (None on tp ranks other than 0); read_lag:
+    decode steps the host may queue beyond the last one it has read (the output does not depend
+    on it; 0 reads every step before queueing the next).
     """
     if groups is not None and groups.layout.pp > 1:
         raise ValueError(f"multi-turn generation runs at pp=1; the layout has pp={groups.layout.pp}")
@@ -249,6 +243,8 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
         raise ValueError("generate_turns: tp rank 0 (or a serial call) needs a TurnSource")
     if budget < 2:
         raise ValueError(f"generate_turns: budget={budget}; needs at least 2 tokens after the prompt")
+    if read_lag < 0:
+        raise ValueError(f"generate_turns: read_lag={read_lag}; must be >= 0")
     device = next(model.parameters()).device
     # One spare slot: a finished row's idle decode steps write at its length, which may be the budget.
     sizing = dataclasses.replace(config, max_new_tokens=budget + 1)
@@ -256,119 +252,132 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
     cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
-    state = _Trajectories([p.numel() for p in prompts], config, budget)
-    draws = _RowDraws(config, len(prompts), budget, device)
-    compactor = RowCompactor(len(prompts), config)
-    stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "device_wait_s": 0.0}
-    extensions: list[tuple[object, object]] = []  # device time of each observation prefill
-    while state.live():
-        rows = state.decoding_rows()
-        if len(rows):
-            logits = _decode_step(decode, logits, rows, state, config, draws, tp_group, cache, source, stats)
-            stats["decode_steps"] += 1
-        waited = time.perf_counter()
-        idle = not state.decoding.any()
-        found = source.poll(POLL_WAIT_S if idle else 0.0) if source is not None else None
-        if idle:  # every live row waits: the device idles (one gap per such poll)
-            gap = time.perf_counter() - waited
-            stats["wait_s"] += gap
-            stats["max_wait_s"] = max(stats["max_wait_s"], gap)
-        answered = [(r.row, int(state.lengths[r.row]), state.answer(r))
-                    for r in broadcast_from_first(found, tp_group) or []]
-        resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
-        if resumed:
-            begin = _mark(device)
-            step_rows = [int(state.step_of[row]) for row, _, _ in resumed]  # waiting rows are never dropped
-            ext = _extend(model, cache, step_rows, [ids for _, _, ids in resumed], [s for _, s, _ in resumed], device)
-            logits = logits.clone()  # the decode step's output buffer is reused by the next step
-            logits[torch.tensor(step_rows, device=device)] = ext.to(logits.dtype)
-            extensions.append((begin, _mark(device)))
-        # The live count falls only when an answer ends a trajectory: check then, not every step.
-        if len(resumed) < len(answered) and compactor.due(state.live_count(), state.steps_left()):
-            logits, decode = _drop_finished(compactor, state, cache, decode, logits, draws)
-    stats["extensions"], stats["extend_s"] = float(len(extensions)), _seconds(extensions, device)
-    stats["compactions"] = float(compactor.compactions)
-    del decode, cache
+    loop = _TurnLoop(model, cache, logits, config, budget, source, tp_group, read_lag,
+                     [p.numel() for p in prompts])
+    stats = loop.run()
+    state = loop.state
+    del loop, cache
     return _output(prompts, state, config.sampling, stats)
 
 
-def _drop_finished(compactor: RowCompactor, state: _Trajectories, cache: HeadMajorKVCache, decode: DecodeStep,
-                   logits: Tensor, draws: _RowDraws) -> tuple[Tensor, DecodeStep]:
-    """Drop the finished trajectories from the decode step: their cache rows, logits and draws go,
-    the rest move to the front (paused rows stay); returns the kept rows' logits [n, V_local] and
-    the step over them."""
-    keep = compactor.compact(torch.from_numpy(state.finished()).to(logits.device), cache)
-    assert keep is not None  # due() needs a live row
-    draws.keep(keep)
-    state.keep_step_rows(keep.cpu().numpy())
-    return logits[keep], decode.for_cache(cache)
+class _TurnLoop:
+    """One call's loop: the decode step over the cache and the latest logits (of the step queued
+    last: [n, V_local] over the step's n rows), the device's turn state and the readback of its
+    steps (actors.generation.turn_state), the host's trajectories, the row compactor, counters.
 
+    Each iteration queues a decode step while some row may sample, reads the steps queued more
+    than `read_lag` steps ago (all of them when none was queued), hands the turns they ended to
+    the source, and serves the source's answers (observation prefills; finished rows dropped)."""
 
-class _RowDraws:
-    """The random numbers of each row's sampled tokens: its j-th token (over all its turns) uses
-    entry j of the draw a single-turn call makes at step j (`GenerationConfig.step_uniforms`), so
-    what a trajectory samples does not depend on when its environment answered, and a one-turn
-    call samples what `generate` samples. table float32 [B, budget] (None when greedy); counts
-    int64 [B] tokens sampled per row so far, on the device."""
+    def __init__(self, model: nn.Module, cache: HeadMajorKVCache, logits: Tensor, config: GenerationConfig,
+                 budget: int, source: TurnSource | None, tp_group: ProcessGroup | None, read_lag: int,
+                 prompt_lengths: list[int]) -> None:
+        self.model, self.cache, self.logits, self.config = model, cache, logits, config
+        self.source, self.tp_group, self.read_lag = source, tp_group, read_lag
+        self.device = logits.device
+        n = len(prompt_lengths)
+        self.decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+        self.state = _Trajectories(prompt_lengths, config, budget)
+        self.turns = DeviceTurns(config, n, budget, self.device)
+        self.readback = StepReadback(n, self.device, read_lag + 1)
+        self.compactor = RowCompactor(n, config)
+        self.stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "env_calls_s": 0.0}
+        self.extensions: list[tuple[object, object]] = []  # device time of each observation prefill
 
-    def __init__(self, config: GenerationConfig, n: int, budget: int, device: torch.device) -> None:
-        self.table = None
-        if not config.sampling.greedy:
-            self.table = torch.stack([config.step_uniforms(j, n, device) for j in range(budget)], dim=1)
-        self.counts = torch.zeros(n, dtype=torch.int64, device=device)
-        self.budget = budget
+    def run(self) -> dict[str, float]:
+        while self.state.live():
+            queued = self.state.may_sample(self.readback.pending)
+            if queued:
+                self.queue_step()
+            while self.readback.pending > (self.read_lag if queued else 0):
+                self.read_step()
+            self.serve_answers()
+        while self.readback.pending:  # steps queued after the last turn ended: nothing sampled
+            self.read_step()
+        stats = self.stats
+        stats["device_wait_s"] = self.readback.wait_s
+        stats["extensions"], stats["extend_s"] = float(len(self.extensions)), _seconds(self.extensions, self.device)
+        stats["compactions"] = float(self.compactor.compactions)
+        return stats
 
-    def uniforms(self) -> Tensor | None:
-        if self.table is None:
-            return None
-        index = self.counts.clamp(max=self.budget - 1)[:, None]  # finished rows: any entry (ignored)
-        return self.table.gather(1, index).squeeze(1)
+    def queue_step(self) -> None:
+        """Sample every step row from the latest logits (rows not sampling are ignored); the device
+        ends turns (`DeviceTurns.advance`); queue the results' copy to the host, then the decode
+        step, in which only the rows that sampled advance (their tokens go into the cache)."""
+        config, unread = self.config, self.readback.pending
+        sampled = sample_tensor_parallel(self.logits, config.sampling, self.turns.uniforms(), self.tp_group)
+        tokens = sampled.tokens
+        sampling, ended = self.turns.advance(tokens)
+        self.readback.push(torch.stack([tokens.double(), sampled.logprobs.double(), sampling.double(),
+                                        ended.double()]))
+        self.cache.step_increment.copy_(sampling)
+        next_input = torch.where(sampling.bool(), tokens, torch.full_like(tokens, config.pad_token_id))
+        # The device's lengths are at most the host's plus one per unread step.
+        longest = int(self.state.lengths[self.state.step_rows].max())
+        self.logits = self.decode(next_input, attend_length(longest, unread, config, self.cache.max_len))
+        self.stats["decode_steps"] += 1
 
-    def advance(self, active: Tensor) -> None:
-        self.counts += active
+    def read_step(self) -> None:
+        """Read the oldest unread step into the host's state; hand the turns it ended to the source."""
+        state = self.state
+        ended = state.record(self.readback.pop())
+        began = time.perf_counter()
+        for row in ended:
+            action = state.end_turn(row)
+            if self.source is not None:
+                self.source.submit(row, action, last=state.length_cut[row])
+        self.stats["env_calls_s"] += time.perf_counter() - began
 
-    def keep(self, keep: Tensor) -> None:
-        """The step keeps only its rows `keep` (int64 [n]): their draws follow them."""
-        self.table = self.table[keep] if self.table is not None else None
-        self.counts = self.counts[keep]
+    def serve_answers(self) -> None:
+        """Poll the source (waiting up to POLL_WAIT_S when no row decodes: the device idles),
+        resume the answered trajectories, drop finished ones when due."""
+        state = self.state
+        began = time.perf_counter()
+        idle = not state.decoding.any()
+        found = self.source.poll(POLL_WAIT_S if idle else 0.0) if self.source is not None else None
+        gap = time.perf_counter() - began
+        if idle:  # every live row waits: the device idles (one gap per such poll)
+            self.stats["wait_s"] += gap
+            self.stats["max_wait_s"] = max(self.stats["max_wait_s"], gap)
+        else:
+            self.stats["env_calls_s"] += gap
+        answered = [(r.row, int(state.lengths[r.row]), state.answer(r))
+                    for r in broadcast_from_first(found, self.tp_group) or []]
+        resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
+        if resumed:
+            self.resume(resumed)
+        # The live count falls only when an answer ends a trajectory: check then, not every step.
+        if len(resumed) < len(answered) and self.compactor.due(state.live_count(), state.steps_left()):
+            self.drop_finished()
 
+    def resume(self, resumed: list[tuple[int, int, list[int]]]) -> None:
+        """Prefill each (global row, its length, observation ids) at its length; its next token
+        comes from that forward's last logits. Queued behind every step queued so far, in which
+        the row (waiting) did not advance, so the host's length is the cache's."""
+        begin = _mark(self.device)
+        step_rows = [int(self.state.step_of[row]) for row, _, _ in resumed]  # waiting rows are never dropped
+        ext = _extend(self.model, self.cache, step_rows, [ids for _, _, ids in resumed],
+                      [start for _, start, _ in resumed], self.device)
+        index = torch.tensor(step_rows, dtype=torch.int64, device=self.device)
+        self.logits = self.logits.clone()  # the decode step's output buffer is reused by the next step
+        self.logits[index] = ext.to(self.logits.dtype)
+        observed = torch.tensor([len(ids) for _, _, ids in resumed], dtype=torch.int64, device=self.device)
+        self.turns.resume(index, observed)
+        self.extensions.append((begin, _mark(self.device)))
 
-def _decode_step(decode: DecodeStep, logits: Tensor, rows: np.ndarray, state: _Trajectories,
-                 config: GenerationConfig, draws: _RowDraws, tp_group: ProcessGroup | None, cache: object,
-                 source: TurnSource | None, stats: dict[str, float]) -> Tensor:
-    """Sample for the decoding rows (global rows), feed their tokens (paused rows do not advance),
-    hand the rows whose turn ended to the source. logits: [n, V_local] over the step's n rows;
-    returns the next step's, the same shape.
-
-    Order, so the device never waits for the host: the sampled tokens are copied to the host
-    (asynchronously) and the next decode step is queued before the host reads them; the host's
-    bookkeeping then runs while the device decodes. stats["device_wait_s"] adds the host's wait."""
-    device = logits.device
-    active = state.active_on(device)  # the rows sampling now
-    sampled = sample_tensor_parallel(logits, config.sampling, draws.uniforms(), tp_group)
-    # Tokens and logprobs in one float64 row pair (ids < 2**53 are exact) into pinned memory.
-    host = state.host_buffer(device)
-    host.copy_(torch.stack([sampled.tokens.double(), sampled.logprobs.double()]), non_blocking=True)
-    copied = torch.cuda.Event() if device.type == "cuda" else None
-    if copied is not None:
-        copied.record()
-    draws.advance(active)
-    cache.step_increment.copy_(active)
-    next_input = torch.where(active.bool(), sampled.tokens, torch.full_like(sampled.tokens, config.pad_token_id))
-    # Every row's sampled token (the last of an ended turn too) is written to the cache here.
-    out = decode(next_input, attend_length(int(state.lengths[state.step_rows].max()), 0, config, cache.max_len))
-    if copied is not None:
-        waited = time.perf_counter()
-        copied.synchronize()  # the copy only: the decode step queued after it keeps running
-        stats["device_wait_s"] += time.perf_counter() - waited
-    values = host.numpy()
-    ended = state.record(rows, values[0].astype(np.int64), values[1].astype(np.float32))
-    for row in ended:
-        action = state.end_turn(row)
-        if source is not None:
-            source.submit(row, action, last=state.length_cut[row])
-    return out
+    def drop_finished(self) -> None:
+        """Drop the finished trajectories from the decode step: their cache rows, logits and device
+        state go, the rest move to the front (waiting rows stay). The unread steps are read first
+        (they are in the old row order)."""
+        while self.readback.pending:
+            self.read_step()
+        keep = self.compactor.compact(torch.from_numpy(self.state.finished()).to(self.device), self.cache)
+        assert keep is not None  # due() needs a live row
+        self.turns.keep(keep)
+        self.state.keep_step_rows(keep.cpu().numpy())
+        self.readback.resize(keep.numel())
+        self.logits = self.logits[keep]
+        self.decode = self.decode.for_cache(self.cache)
 
 
 def _output(prompts: list[Tensor], state: _Trajectories, sampling: SamplingParams,
@@ -383,4 +392,4 @@ def _output(prompts: list[Tensor], state: _Trajectories, sampling: SamplingParam
     )
 
 
-__all__ = ["POLL_WAIT_S", "TurnsOutput", "generate_turns"]
+__all__ = ["POLL_WAIT_S", "READ_LAG", "TurnsOutput", "generate_turns"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ from app.envs.templates import ObservationEncoder, observation_encoder
 
 END_REASONS = ("done", "max_turns", "length", "error", "timeout")
 WAIT_SLICE_S = 0.05  # longest single wait while submitted work has not started (timeouts start then)
+# How often `poll` looks through every job in flight for timeouts. The decode loop polls once per
+# step; a scan of 512 jobs took 0.4 ms on a 2-core machine, more than a decode step of few rows.
+TIMEOUT_SCAN_S = 0.01
 MAX_MESSAGE_CHARS = 500
 
 
@@ -123,6 +127,8 @@ class EnvSessions:
         self._rows = [_Row(dict(s)) for s in samples]
         self._pool = DaemonPool(env_workers, name="env-step")
         self._inflight: dict[int, _Job] = {}
+        self._done: deque[_Job] = deque()  # jobs whose future finished, appended by the pool's threads
+        self._next_scan = 0.0  # when `_finished_jobs` next looks for timeouts
         self._ready: list[Any] = []
         self._prompts: list[list[int]] | None = None
         self._turn_result = _turn_result_type()
@@ -229,6 +235,7 @@ class EnvSessions:
         """Shut the pool down without waiting for steps still running (their results are dropped)."""
         self._pool.close()
         self._inflight.clear()
+        self._done.clear()
 
     def __enter__(self) -> EnvSessions:
         return self
@@ -245,16 +252,28 @@ class EnvSessions:
     def _start(self, row: int, fn: Callable[..., Any], *args: Any) -> _Job:
         job = _Job(row)
         job.future = self._pool.submit(_run_timed, job, fn, *args)
+        job.future.add_done_callback(lambda _future, job=job: self._done.append(job))  # deque: thread-safe
         self._inflight[row] = job
         return job
 
     def _finished_jobs(self) -> list[_Job]:
-        """In-flight jobs now done or past the timeout, removed from the in-flight set."""
+        """In-flight jobs now done (in the order they finished) or past the timeout, removed from
+        the in-flight set. Done ones come from their futures' callbacks, so a poll costs the
+        answers it returns; the in-flight set is scanned for timeouts at most every TIMEOUT_SCAN_S."""
+        done = []
+        while self._done:
+            job = self._done.popleft()
+            if self._inflight.get(job.row) is job:  # not already ended by a timeout
+                del self._inflight[job.row]
+                done.append(job)
         now = time.monotonic()
-        done = [job for job in self._inflight.values() if job.future.done()
-                or (job.started is not None and now - job.started > self.env_timeout_s)]
-        for job in done:
-            del self._inflight[job.row]
+        if self._inflight and now >= self._next_scan:
+            self._next_scan = now + TIMEOUT_SCAN_S
+            late = [job for job in self._inflight.values()
+                    if job.started is not None and now - job.started > self.env_timeout_s]
+            for job in late:
+                del self._inflight[job.row]
+            done += late
         return done
 
     def _wait(self, deadline: float | None) -> None:

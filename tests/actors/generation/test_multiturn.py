@@ -181,6 +181,38 @@ def test_finished_trajectories_leave_the_step_and_change_nothing(delays: list[fl
         torch.testing.assert_close(a[mask.bool()], fresh[mask.bool()], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("read_lag", [1, 4])
+def test_reading_steps_later_changes_nothing(read_lag: int) -> None:
+    """The host reading each step's ids up to `read_lag` steps after queueing it (the device
+    pausing rows itself) samples what reading every step at once samples: same ids, masks,
+    logprobs, turns, stop flags, with environments answering at different times, turns ending
+    at EOS and at max_new_tokens, budgets ending trajectories and finished rows dropped."""
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6, 3, 7], seed=5)
+    turns = [1, 4, 2, 5, 1, 3]
+    config = GenerationConfig(max_new_tokens=5, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS)
+    delays = [0.0, 0.02, 0.0, 0.03, 0.01, 0.0]
+    runs = [generate_turns(model, prompts, config, 30, ScriptedTurns(prompts, turns, delay_s=delays), read_lag=lag)
+            for lag in (0, read_lag)]
+    now, later = runs
+    assert later.stats["compactions"] >= 1
+    assert any(now.length_cut) and not all(now.no_eos)  # both endings are exercised
+    assert [r.tolist() for r in later.responses] == [r.tolist() for r in now.responses]
+    assert [m.tolist() for m in later.response_masks] == [m.tolist() for m in now.response_masks]
+    assert (later.turns, later.no_eos, later.length_cut) == (now.turns, now.no_eos, now.length_cut)
+    for a, b, fresh, mask in zip(later.logprobs, now.logprobs, full_logprobs(model, later), later.response_masks):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a[mask.bool()], fresh[mask.bool()], atol=1e-5, rtol=0)
+
+
+def test_negative_read_lag_is_refused() -> None:
+    model = ours_from_hf(build_hf("Qwen2", seed=3))
+    prompts = random_prompts(BASE["vocab_size"], [3], seed=1)
+    with pytest.raises(ValueError, match="read_lag=-1"):
+        generate_turns(model, prompts, GenerationConfig(max_new_tokens=2), budget=8,
+                       source=ScriptedTurns(prompts, turns=[1]), read_lag=-1)
+
+
 def test_budget_ends_trajectories_and_observations_that_do_not_fit() -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=3))
     prompts = random_prompts(BASE["vocab_size"], [3, 3], seed=1)
