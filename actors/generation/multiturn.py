@@ -69,11 +69,12 @@ class TurnsOutput:
     response_masks[i]: float32 [r_i], 1 where the actor sampled the id, 0 on observations;
     logprobs[i]: float32 [r_i], sampling logprobs (0 on observations); turns[i]: turns sampled;
     no_eos[i]: the last turn ended without the stop token; length_cut[i]: the budget ended it.
-    stats: loop counters (decode steps, observation prefills and their device seconds, seconds
-    blocked waiting for answers with no row decoding, in all and the longest such wait, times the
-    step dropped finished trajectories ("compactions"), and on
-    CUDA the seconds the host waited for each step's sampled tokens: near the call's decode time
-    when the device sets the pace, near zero when the host does).
+    stats: loop counters: "decode_steps", "extensions" (observation prefills) and "extend_s"
+    (their device seconds), "wait_s" / "max_wait_s" (blocked waiting for answers with no row
+    decoding: in all, the longest such wait), "env_calls_s" (host seconds in the source's submit
+    and poll while rows decode), "compactions" (times the step dropped finished trajectories),
+    "device_wait_s" (on CUDA, host seconds waiting for steps' sampled ids: near the call's decode
+    time when the device sets the pace, near zero when the host does).
     """
 
     prompts: list[Tensor]
