@@ -29,7 +29,6 @@ from torch import Tensor
 
 from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache
-from actors.generation.prefill import group_table
 
 # A compaction costs a host sync, the cache rows' copy and a CUDA graph capture (~0.1 s with
 # torch.compile): not worth it for the last few steps of a call.
@@ -39,8 +38,9 @@ MIN_STEPS_LEFT = 16
 def keep_cache_rows(cache: HeadMajorKVCache, keep: Tensor) -> None:
     """Keep only the cache rows `keep` (int64 [n], increasing, on the cache's device): row i of the
     cache becomes old row keep[i], with its K/V (the written slots), length and shared-prompt
-    links. The buffers stay where they are (the cache is their first n rows), so the memory is
-    not returned; the per-row index tensors are new, so graphs captured before must be dropped."""
+    links (the shared-prompt table keeps its shape: `remap_group_table`). The buffers stay where
+    they are (the cache is their first n rows), so the memory is not returned; the per-row index
+    tensors are new, so graphs captured before must be dropped."""
     n = keep.numel()
     if n == 0 or n > cache.n_seqs:
         raise ValueError(f"keep_cache_rows: {n} rows of a cache of {cache.n_seqs}; need 1..n_seqs")
@@ -54,22 +54,33 @@ def keep_cache_rows(cache: HeadMajorKVCache, keep: Tensor) -> None:
             store[layer] = buf[:n]
     groups = cache.prefix_rows[keep].tolist()  # a kept row's group: its old prompt row
     first: dict[int, int] = {}
-    members: dict[int, list[int]] = {}
     for row, group in enumerate(groups):
         first.setdefault(group, row)
-        members.setdefault(group, []).append(row)
     device = cache.lengths.device
     # Every row holds its own copy of its prompt (SharedPrefill), so a group's first kept row can
     # serve the others whether or not the old first row was kept.
     cache.prefix_rows = torch.tensor([first[group] for group in groups], dtype=torch.int64, device=device)
     cache.prefix_lengths = cache.prefix_lengths[keep]
     if cache.prefix_groups is not None:
-        cache.prefix_groups = group_table(list(members.values()), cache.prefix_chunk_rows, device)
+        cache.prefix_groups = remap_group_table(cache.prefix_groups, keep, cache.n_seqs)
     cache.lengths = cache.lengths[keep]
     cache.step_increment = cache.step_increment[keep]
     cache.rows = torch.arange(n, device=device)
     cache.step_masks.clear()
     cache.n_seqs = n
+
+
+def remap_group_table(table: Tensor, keep: Tensor, n_rows: int) -> Tensor:
+    """The shared-prompt table (int64 [G, R], rows of each chunk of a prompt's rows, -1 padded)
+    over the kept rows (keep: int64 [n] of the old `n_rows`): each chunk's kept rows renumbered and
+    moved to its front, the rest -1, in the same [G, R] shape. The shape stays so that a compiled
+    decode step does not recompile for every compaction (the prompt kernel's grid and tile come
+    from it); a chunk left empty is all -1 and skipped by the kernel."""
+    new_index = torch.full((n_rows,), -1, dtype=torch.int64, device=table.device)
+    new_index[keep] = torch.arange(keep.numel(), device=table.device)
+    mapped = torch.where(table >= 0, new_index[table.clamp(min=0)], -1)
+    order = torch.argsort((mapped < 0).to(torch.int8), dim=1, stable=True)  # kept rows first, in order
+    return mapped.gather(1, order)
 
 
 class RowCompactor:
@@ -104,4 +115,4 @@ class RowCompactor:
         return keep
 
 
-__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows"]
+__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "remap_group_table"]

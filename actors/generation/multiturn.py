@@ -19,7 +19,7 @@ blocks in `poll` until one answer arrives.
 Finished trajectories leave the decode step: once the live ones (decoding or waiting) are at
 most `config.compact_fraction` of the step's rows, their cache rows move to the front and a step
 over them alone goes on (`actors.generation.compaction`). The host keeps every row's state by its
-global row (`_Trajectories`); `step_rows` / `step_of` map between those and the step's rows, which
+global row (`HostTrajectories`); `step_rows` / `step_of` map between those and the step's rows, which
 the device-side tensors (logits, cache rows, random draws, the sampled tokens) are ordered by.
 
 Token in, token out: the output holds, per trajectory, exactly the ids sampled (mask 1, with their
@@ -37,7 +37,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -52,13 +51,17 @@ from actors.generation.fp8_weights import Fp8DecodeWeights
 from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
 from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
-from actors.generation.turn_state import DeviceTurns, StepReadback
+from actors.generation.turn_state import DeviceTurns, HostTrajectories, StepReadback
 from actors.generation.turns import TurnResult, TurnSource
 
 POLL_WAIT_S = 0.05  # longest single wait in `poll` while every live trajectory waits
 # Decode steps the host queues beyond the last one it has read: the device runs on through host
 # stalls up to this many steps long (its bookkeeping, submits, environment threads holding the GIL).
 READ_LAG = 2
+# Answered observations wait for one prefill together (`_TurnLoop.resume_due`): at most this many
+# decode steps, or until they are 1/RESUME_BATCH_DIVISOR of the step's rows.
+RESUME_AFTER_STEPS = 8
+RESUME_BATCH_DIVISOR = 8
 
 
 @dataclass(frozen=True)
@@ -86,116 +89,6 @@ class TurnsOutput:
     length_cut: list[bool]
     sampling: SamplingParams
     stats: dict[str, float] = field(default_factory=dict)
-
-
-class _Trajectories:
-    """Host-side state of every row: what it sampled and observed, and where it stands, as of the
-    last step read (`record`) and the answers served. Per-step bookkeeping is vectorised (numpy
-    over the rows): it runs while the device decodes the steps queued after the one it reads.
-    `lengths` and `used` of a waiting row equal the device's (it has not advanced since)."""
-
-    def __init__(self, prompt_lengths: list[int], config: GenerationConfig, budget: int) -> None:
-        n = len(prompt_lengths)
-        self.config, self.budget = config, budget
-        self.decoding = np.ones(n, dtype=bool)
-        self.waiting = np.zeros(n, dtype=bool)
-        self.lengths = np.array(prompt_lengths, dtype=np.int64)  # cached tokens per row (= cache.lengths)
-        self.used = np.zeros(n, dtype=np.int64)  # tokens after the prompt
-        self.turn_len = np.zeros(n, dtype=np.int64)
-        self.turn_ids = np.zeros((n, config.max_new_tokens), dtype=np.int64)  # this turn's samples
-        self.turn_logprobs = np.zeros((n, config.max_new_tokens), dtype=np.float32)
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.mask: list[list[float]] = [[] for _ in range(n)]
-        self.logprobs: list[list[float]] = [[] for _ in range(n)]
-        self.turns = [0] * n
-        self.no_eos = [False] * n
-        self.length_cut = [False] * n
-        self.step_rows = np.arange(n)  # the global row of each decode step row
-        self.step_of = np.arange(n)  # the step row of each global row (-1: dropped, finished)
-
-    def may_sample(self, unread: int) -> bool:
-        """Whether a step queued now may sample for some row, as far as the host knows with
-        `unread` steps queued and not yet read (each samples at most one token per row)."""
-        rows = self.decoding_rows()
-        left = np.minimum(self.config.max_new_tokens - self.turn_len[rows], self.budget - self.used[rows])
-        return bool((left > unread).any())
-
-    def decoding_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.decoding)
-
-    def record(self, values: np.ndarray) -> list[int]:
-        """Append one step's sampled tokens (values: float64 [READBACK_ROWS, n] over the step's rows,
-        `turn_state.StepReadback`) to the rows that sampled; return the global rows whose turn
-        ended (the device decided which: `DeviceTurns.advance`)."""
-        sampled = np.flatnonzero(values[2] > 0)
-        rows = self.step_rows[sampled]
-        picked = values[0, sampled].astype(np.int64)
-        self.turn_ids[rows, self.turn_len[rows]] = picked
-        self.turn_logprobs[rows, self.turn_len[rows]] = values[1, sampled]
-        self.turn_len[rows] += 1
-        self.used[rows] += 1
-        self.lengths[rows] += 1
-        ended = np.flatnonzero(values[3] > 0)
-        stop = self.config.stop_token
-        for row, token in zip(self.step_rows[ended].tolist(), values[0, ended].tolist()):
-            self.no_eos[row] = stop is None or int(token) != stop
-        return self.step_rows[ended].tolist()
-
-    def end_turn(self, row: int) -> list[int]:
-        """Close the row's turn (it now waits); returns the ids it sampled in that turn."""
-        n = int(self.turn_len[row])
-        sampled = self.turn_ids[row, :n].tolist()
-        self.ids[row] += sampled
-        self.mask[row] += [1.0] * n
-        self.logprobs[row] += self.turn_logprobs[row, :n].tolist()
-        self.turn_len[row] = 0
-        self.turns[row] += 1
-        self.decoding[row], self.waiting[row] = False, True
-        if self.used[row] >= self.budget:
-            self.length_cut[row] = True
-        return sampled
-
-    def answer(self, result: TurnResult) -> list[int] | None:
-        """Take the source's answer; the observation ids to prefill, or None when the row ends.
-        An observation that does not fit the budget with room for one more sampled token ends
-        the trajectory (counted as cut by length) rather than being cut itself."""
-        row = result.row
-        self.waiting[row] = False
-        if result.done or not result.observation_ids:
-            return None
-        observation = [int(t) for t in result.observation_ids]
-        if int(self.used[row]) + len(observation) + 1 > self.budget:
-            self.length_cut[row] = True
-            return None
-        self.ids[row] += observation
-        self.mask[row] += [0.0] * len(observation)
-        self.logprobs[row] += [0.0] * len(observation)
-        self.used[row] += len(observation)
-        self.lengths[row] += len(observation)
-        self.decoding[row] = True
-        return observation
-
-    def live(self) -> bool:
-        return bool(self.decoding.any() or self.waiting.any())
-
-    def finished(self) -> np.ndarray:
-        """bool [B]: the trajectories their environment (or the budget) ended."""
-        return ~(self.decoding | self.waiting)
-
-    def live_count(self) -> int:
-        return int((self.decoding | self.waiting).sum())
-
-    def steps_left(self) -> int:
-        """At most how many more tokens a live trajectory samples (its budget left)."""
-        live = ~self.finished()
-        return int((self.budget - self.used[live]).max()) if live.any() else 0
-
-    def keep_step_rows(self, keep: np.ndarray) -> None:
-        """The step now holds only its rows `keep` (in order): remap, and drop the buffers sized
-        for the old step."""
-        self.step_rows = self.step_rows[keep]
-        self.step_of[:] = -1
-        self.step_of[self.step_rows] = np.arange(len(self.step_rows))
 
 
 def _extend(model: nn.Module, cache: object, rows: list[int], observations: list[list[int]],
@@ -278,12 +171,14 @@ class _TurnLoop:
         self.device = logits.device
         n = len(prompt_lengths)
         self.decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
-        self.state = _Trajectories(prompt_lengths, config, budget)
+        self.state = HostTrajectories(prompt_lengths, config, budget)
         self.turns = DeviceTurns(config, n, budget, self.device)
         self.readback = StepReadback(n, self.device, read_lag + 1)
         self.compactor = RowCompactor(n, config)
         self.stats = {"decode_steps": 0.0, "wait_s": 0.0, "max_wait_s": 0.0, "env_calls_s": 0.0}
         self.extensions: list[tuple[object, object]] = []  # device time of each observation prefill
+        self.deferred: list[TurnResult] = []  # answers with observations, not yet prefilled
+        self.deferred_since = 0.0  # decode steps queued when the oldest of them arrived
 
     def run(self) -> dict[str, float]:
         while self.state.live():
@@ -330,11 +225,12 @@ class _TurnLoop:
         self.stats["env_calls_s"] += time.perf_counter() - began
 
     def serve_answers(self) -> None:
-        """Poll the source (waiting up to POLL_WAIT_S when no row decodes: the device idles),
-        resume the answered trajectories, drop finished ones when due."""
+        """Poll the source (waiting up to POLL_WAIT_S when no row decodes and none is due to
+        resume: the device idles), end the trajectories it ended, resume the answered ones when
+        due (`resume_due`), drop finished ones when due."""
         state = self.state
         began = time.perf_counter()
-        idle = not state.decoding.any()
+        idle = not state.decoding.any() and not self.deferred
         found = self.source.poll(POLL_WAIT_S if idle else 0.0) if self.source is not None else None
         gap = time.perf_counter() - began
         if idle:  # every live row waits: the device idles (one gap per such poll)
@@ -342,19 +238,40 @@ class _TurnLoop:
             self.stats["max_wait_s"] = max(self.stats["max_wait_s"], gap)
         else:
             self.stats["env_calls_s"] += gap
-        answered = [(r.row, int(state.lengths[r.row]), state.answer(r))
-                    for r in broadcast_from_first(found, self.tp_group) or []]
-        resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
-        if resumed:
-            self.resume(resumed)
+        ended = 0
+        for result in broadcast_from_first(found, self.tp_group) or []:
+            if result.done or not result.observation_ids:
+                state.answer(result)  # None: the trajectory ends here
+                ended += 1
+            else:
+                if not self.deferred:
+                    self.deferred_since = self.stats["decode_steps"]
+                self.deferred.append(result)
+        if self.deferred and self.resume_due():
+            ended += self.resume()
         # The live count falls only when an answer ends a trajectory: check then, not every step.
-        if len(resumed) < len(answered) and self.compactor.due(state.live_count(), state.steps_left()):
+        if ended and self.compactor.due(state.live_count(), state.steps_left()):
             self.drop_finished()
 
-    def resume(self, resumed: list[tuple[int, int, list[int]]]) -> None:
-        """Prefill each (global row, its length, observation ids) at its length; its next token
-        comes from that forward's last logits. Queued behind every step queued so far, in which
-        the row (waiting) did not advance, so the host's length is the cache's."""
+    def resume_due(self) -> bool:
+        """Whether to prefill the answered observations now: an observation prefill is a whole
+        eager forward (hundreds of kernel launches, milliseconds of host time), so answers that
+        arrive one or two at a time are gathered for up to RESUME_AFTER_STEPS decode steps, or
+        until they are 1/RESUME_BATCH_DIVISOR of the step's rows, or no row decodes."""
+        return (not self.state.decoding.any()
+                or self.stats["decode_steps"] - self.deferred_since >= RESUME_AFTER_STEPS
+                or len(self.deferred) * RESUME_BATCH_DIVISOR >= len(self.state.step_rows))
+
+    def resume(self) -> int:
+        """Take the deferred answers: prefill each observation at its trajectory's length (its
+        next token comes from that forward's last logits), queued behind every step queued so
+        far, in which the row (waiting) did not advance, so the host's length is the cache's.
+        Returns how many trajectories ended instead (the observation did not fit the budget)."""
+        answered = [(r.row, int(self.state.lengths[r.row]), self.state.answer(r)) for r in self.deferred]
+        self.deferred = []
+        resumed = [(row, start, ids) for row, start, ids in answered if ids is not None]
+        if not resumed:
+            return len(answered)
         begin = _mark(self.device)
         step_rows = [int(self.state.step_of[row]) for row, _, _ in resumed]  # waiting rows are never dropped
         ext = _extend(self.model, self.cache, step_rows, [ids for _, _, ids in resumed],
@@ -365,6 +282,7 @@ class _TurnLoop:
         observed = torch.tensor([len(ids) for _, _, ids in resumed], dtype=torch.int64, device=self.device)
         self.turns.resume(index, observed)
         self.extensions.append((begin, _mark(self.device)))
+        return len(answered) - len(resumed)
 
     def drop_finished(self) -> None:
         """Drop the finished trajectories from the decode step: their cache rows, logits and device
@@ -381,7 +299,7 @@ class _TurnLoop:
         self.decode = self.decode.for_cache(self.cache)
 
 
-def _output(prompts: list[Tensor], state: _Trajectories, sampling: SamplingParams,
+def _output(prompts: list[Tensor], state: HostTrajectories, sampling: SamplingParams,
             stats: dict[str, float]) -> TurnsOutput:
     return TurnsOutput(
         prompts=[p.detach().cpu().to(torch.int64) for p in prompts],

@@ -1,4 +1,5 @@
-"""The multi-turn decode loop's per-row state on the device, and the readback of each step.
+"""The multi-turn decode loop's per-row state, on the host and on the device, and the readback
+of each step.
 
 Why: the loop (actors.generation.multiturn) must not make the device wait for the host. If the
 host had to read step k's sampled ids before it could queue step k+1 (to know which rows end a
@@ -8,11 +9,14 @@ and with few rows a step is under a millisecond. So which rows sample, how many 
 sampled this turn and in all, and which turns end are decided on the device (`DeviceTurns`);
 the host queues steps ahead and reads each step's results up to a few steps later
 (`StepReadback`), mirroring them in its own per-trajectory state to hand ended turns to the
-environments. The host only writes device state when it resumes a trajectory (an observation
-prefilled: `DeviceTurns.resume`) or drops finished ones (`DeviceTurns.keep`), both queued in
-stream order behind the steps already queued.
+environments (`HostTrajectories`: every trajectory's ids, masks, logprobs and where it
+stands, by its global row). The host only writes device state when it resumes a trajectory (an
+observation prefilled: `DeviceTurns.resume`) or drops finished ones (`DeviceTurns.keep`), both
+queued in stream order behind the steps already queued.
 
-Rows here are the decode step's rows (actors.generation.compaction may drop finished ones).
+`DeviceTurns` and `StepReadback` are ordered by the decode step's rows, which
+actors.generation.compaction may shrink to the unfinished trajectories; `HostTrajectories` keeps
+every trajectory by its global row and maps between the two (`step_rows`, `step_of`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,121 @@ import torch
 from torch import Tensor
 
 from actors.generation.decoding import GenerationConfig
+from actors.generation.turns import TurnResult
 
 # Rows of a step's readback (float64 [READBACK_ROWS, n]): sampled ids (exact below 2**53), their
 # logprobs, 1 where the row sampled at that step, 1 where its turn ended at that step.
 READBACK_ROWS = 4
+
+
+class HostTrajectories:
+    """Host-side state of every row: what it sampled and observed, and where it stands, as of the
+    last step read (`record`) and the answers served. Per-step bookkeeping is vectorised (numpy
+    over the rows): it runs while the device decodes the steps queued after the one it reads.
+    `lengths` and `used` of a waiting row equal the device's (it has not advanced since)."""
+
+    def __init__(self, prompt_lengths: list[int], config: GenerationConfig, budget: int) -> None:
+        n = len(prompt_lengths)
+        self.config, self.budget = config, budget
+        self.decoding = np.ones(n, dtype=bool)
+        self.waiting = np.zeros(n, dtype=bool)
+        self.lengths = np.array(prompt_lengths, dtype=np.int64)  # cached tokens per row (= cache.lengths)
+        self.used = np.zeros(n, dtype=np.int64)  # tokens after the prompt
+        self.turn_len = np.zeros(n, dtype=np.int64)
+        self.turn_ids = np.zeros((n, config.max_new_tokens), dtype=np.int64)  # this turn's samples
+        self.turn_logprobs = np.zeros((n, config.max_new_tokens), dtype=np.float32)
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.mask: list[list[float]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.turns = [0] * n
+        self.no_eos = [False] * n
+        self.length_cut = [False] * n
+        self.step_rows = np.arange(n)  # the global row of each decode step row
+        self.step_of = np.arange(n)  # the step row of each global row (-1: dropped, finished)
+
+    def may_sample(self, unread: int) -> bool:
+        """Whether a step queued now may sample for some row, as far as the host knows with
+        `unread` steps queued and not yet read (each samples at most one token per row)."""
+        rows = self.decoding_rows()
+        left = np.minimum(self.config.max_new_tokens - self.turn_len[rows], self.budget - self.used[rows])
+        return bool((left > unread).any())
+
+    def decoding_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.decoding)
+
+    def record(self, values: np.ndarray) -> list[int]:
+        """Append one step's sampled tokens (values: float64 [READBACK_ROWS, n] over the step's rows,
+        `turn_state.StepReadback`) to the rows that sampled; return the global rows whose turn
+        ended (the device decided which: `DeviceTurns.advance`)."""
+        sampled = np.flatnonzero(values[2] > 0)
+        rows = self.step_rows[sampled]
+        picked = values[0, sampled].astype(np.int64)
+        self.turn_ids[rows, self.turn_len[rows]] = picked
+        self.turn_logprobs[rows, self.turn_len[rows]] = values[1, sampled]
+        self.turn_len[rows] += 1
+        self.used[rows] += 1
+        self.lengths[rows] += 1
+        ended = np.flatnonzero(values[3] > 0)
+        stop = self.config.stop_token
+        for row, token in zip(self.step_rows[ended].tolist(), values[0, ended].tolist()):
+            self.no_eos[row] = stop is None or int(token) != stop
+        return self.step_rows[ended].tolist()
+
+    def end_turn(self, row: int) -> list[int]:
+        """Close the row's turn (it now waits); returns the ids it sampled in that turn."""
+        n = int(self.turn_len[row])
+        sampled = self.turn_ids[row, :n].tolist()
+        self.ids[row] += sampled
+        self.mask[row] += [1.0] * n
+        self.logprobs[row] += self.turn_logprobs[row, :n].tolist()
+        self.turn_len[row] = 0
+        self.turns[row] += 1
+        self.decoding[row], self.waiting[row] = False, True
+        if self.used[row] >= self.budget:
+            self.length_cut[row] = True
+        return sampled
+
+    def answer(self, result: TurnResult) -> list[int] | None:
+        """Take the source's answer; the observation ids to prefill, or None when the row ends.
+        An observation that does not fit the budget with room for one more sampled token ends
+        the trajectory (counted as cut by length) rather than being cut itself."""
+        row = result.row
+        self.waiting[row] = False
+        if result.done or not result.observation_ids:
+            return None
+        observation = [int(t) for t in result.observation_ids]
+        if int(self.used[row]) + len(observation) + 1 > self.budget:
+            self.length_cut[row] = True
+            return None
+        self.ids[row] += observation
+        self.mask[row] += [0.0] * len(observation)
+        self.logprobs[row] += [0.0] * len(observation)
+        self.used[row] += len(observation)
+        self.lengths[row] += len(observation)
+        self.decoding[row] = True
+        return observation
+
+    def live(self) -> bool:
+        return bool(self.decoding.any() or self.waiting.any())
+
+    def finished(self) -> np.ndarray:
+        """bool [B]: the trajectories their environment (or the budget) ended."""
+        return ~(self.decoding | self.waiting)
+
+    def live_count(self) -> int:
+        return int((self.decoding | self.waiting).sum())
+
+    def steps_left(self) -> int:
+        """At most how many more tokens a live trajectory samples (its budget left)."""
+        live = ~self.finished()
+        return int((self.budget - self.used[live]).max()) if live.any() else 0
+
+    def keep_step_rows(self, keep: np.ndarray) -> None:
+        """The step now holds only its rows `keep` (in order): remap, and drop the buffers sized
+        for the old step."""
+        self.step_rows = self.step_rows[keep]
+        self.step_of[:] = -1
+        self.step_of[self.step_rows] = np.arange(len(self.step_rows))
 
 
 class DeviceTurns:
@@ -142,4 +257,4 @@ class StepReadback:
         self.next = 0
 
 
-__all__ = ["READBACK_ROWS", "DeviceTurns", "StepReadback"]
+__all__ = ["READBACK_ROWS", "DeviceTurns", "HostTrajectories", "StepReadback"]

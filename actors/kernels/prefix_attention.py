@@ -13,8 +13,10 @@ shape on an H200: 89.7 us a decode attention call against 104.4 us reading the s
 
     q            [B, Hq, D]        the step's queries
     cache        [B, Hkv, L, D]    head-major K and V
-    group_rows   int64 [G, R]      the rows of each group, -1 where a group has fewer than R;
-                                   the first row holds the prompt's K/V in its slots
+    group_rows   int64 [G, R]      the rows of each group, -1 where a group has fewer than R
+                                   (after the first; a group of all -1 is skipped: the
+                                   table keeps its shape as rows leave the step); the first
+                                   row holds the prompt's K/V in its slots
     prefix_lengths int64 [B]       the shared slots of each row (equal within a group)
     -> m, l      float32 [B, Hq]   running max and normaliser over slots [0, prefix)
        acc       float32 [B, Hq, D] unnormalised sum of exp(s - m) v
@@ -58,8 +60,9 @@ if triton_installed():
         rows = tl.where(ok, rows, 0)
         q = tl.load(q_ptr + rows[:, None] * stride_qb + head[:, None] * stride_qh + dims[None, :],
                     mask=ok[:, None], other=0.0)  # [TILE, D]
-        owner = tl.load(group_rows_ptr + g * stride_gg)
-        prefix = tl.load(prefix_lengths_ptr + owner).to(tl.int32)
+        first = tl.load(group_rows_ptr + g * stride_gg)
+        owner = tl.maximum(first, 0)  # a group left with no rows (all -1) attends nothing, stores nothing
+        prefix = tl.where(first >= 0, tl.load(prefix_lengths_ptr + owner), 0).to(tl.int32)
         m_i = tl.full([TILE], float("-inf"), tl.float32)
         l_i = tl.zeros([TILE], tl.float32)
         acc = tl.zeros([TILE, HEAD_DIM], tl.float32)

@@ -10,7 +10,7 @@ import torch
 
 from actors.engine import CacheLayerShape
 from actors.engine.model import Transformer
-from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows
+from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows, remap_group_table
 from actors.generation.decoding import GenerationConfig, GenerationOutput
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
@@ -62,13 +62,21 @@ def test_keep_cache_rows_moves_written_slots_lengths_and_prompt_links() -> None:
     keep_cache_rows(cache, keep)
     assert cache.n_seqs == 3 and cache.lengths.tolist() == [6, 4, 3]
     assert cache.prefix_rows.tolist() == [0, 0, 2] and cache.prefix_lengths.tolist() == [2, 2, 3]
-    assert cache.prefix_groups.tolist() == [[0, 1], [2, -1]]
+    # The table keeps its [G, R] shape (a compiled step would recompile for a new one).
+    assert cache.prefix_groups.tolist() == [[0, 1, -1], [2, -1, -1]]
     assert cache.rows.tolist() == [0, 1, 2] and cache.step_increment.tolist() == [1, 1, 1]
     for store in (cache.k, cache.v):
         for buf in store.values():
             assert buf.shape == (3, 2, 8, 4)
             for new_row, old_row in enumerate(keep.tolist()):  # the slots written so far, [0, 6)
                 assert torch.equal(buf[new_row, :, :6, 0], torch.full((2, 6), old_row * 100.0) + torch.arange(6.0))
+
+
+@pytest.mark.unit
+def test_group_table_keeps_its_shape_and_empties_a_dropped_group() -> None:
+    table = torch.tensor([[0, 1, 2], [3, 4, -1], [5, 6, 7]])
+    remapped = remap_group_table(table, torch.tensor([2, 5, 7]), 8)  # group 1 loses both rows
+    assert remapped.tolist() == [[0, -1, -1], [-1, -1, -1], [1, 2, -1]]
 
 
 @pytest.mark.unit

@@ -205,6 +205,43 @@ def test_reading_steps_later_changes_nothing(read_lag: int) -> None:
         torch.testing.assert_close(a[mask.bool()], fresh[mask.bool()], atol=1e-5, rtol=0)
 
 
+class CountedTurns(ScriptedTurns):
+    """Answers row r's turn after (r % 5) * 3 polls, one answer per poll at most: no threads, so
+    the loop sees answers trickle in while other rows decode, the same way on every run."""
+
+    def __init__(self, prompts: list[torch.Tensor], turns: list[int]) -> None:
+        super().__init__(prompts, turns)
+        self.queue: list[tuple[int, TurnResult]] = []  # (polls left, answer)
+
+    def submit(self, row: int, action_ids: list[int], last: bool) -> None:
+        self.actions[row].append(list(action_ids))
+        done = last or len(self.actions[row]) >= self.turns[row]
+        obs = tuple(t + row for t in self.observation)  # as ScriptedTurns answers
+        self.queue.append(((row % 5) * 3, TurnResult(row, () if done else obs, done)))
+
+    def poll(self, wait_s: float) -> list[TurnResult]:
+        self.queue = [(left - 1, result) for left, result in self.queue]
+        ready = next((i for i, (left, _) in enumerate(self.queue) if left <= 0), None)
+        return [self.queue.pop(ready)[1]] if ready is not None else []
+
+
+def test_observations_arriving_one_by_one_are_prefilled_together() -> None:
+    """Answers that trickle in while other rows decode wait for one observation prefill together
+    (at most RESUME_AFTER_STEPS steps): fewer prefills than resumed turns, and the same ids as
+    answering every row at once."""
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [3 + i % 4 for i in range(32)], seed=5)
+    turns = [3] * 32
+    config = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=None)
+    trickled = generate_turns(model, prompts, config, 40, CountedTurns(prompts, turns))
+    at_once = generate_turns(model, prompts, config, 40, ScriptedTurns(prompts, turns))
+    assert trickled.turns == turns
+    assert trickled.stats["extensions"] < sum(t - 1 for t in turns) / 2, trickled.stats
+    assert [r.tolist() for r in trickled.responses] == [r.tolist() for r in at_once.responses]
+    for a, b in zip(trickled.logprobs, at_once.logprobs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_negative_read_lag_is_refused() -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=3))
     prompts = random_prompts(BASE["vocab_size"], [3], seed=1)

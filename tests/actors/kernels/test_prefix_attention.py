@@ -64,6 +64,17 @@ def test_prefix_partials_are_the_softmax_over_the_prompt_slots() -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_an_empty_group_is_skipped() -> None:
+    """A chunk whose rows all left the step (all -1, as compaction leaves it) reads no row (its
+    owner would be index -1) and changes nothing for the other groups."""
+    q, _, _, k_cache, v_cache, _, _, prefix_lengths, group_rows = grouped_case(seed=2)
+    base = prefix_partials(q, k_cache, v_cache, group_rows, prefix_lengths, block_n=16)
+    padded = torch.cat([torch.full((1, 3), -1, device=DEVICE), group_rows])
+    with_empty = prefix_partials(q, k_cache, v_cache, padded, prefix_lengths, block_n=16)
+    for got, want in zip(with_empty, base):
+        torch.testing.assert_close(got[[0, 1, 2, 3, 4]], want[[0, 1, 2, 3, 4]], rtol=0, atol=0)
+
+
 def test_prefix_partials_reject_bad_group_rows() -> None:
     q, _, _, k_cache, v_cache, _, _, prefix_lengths, group_rows = grouped_case()
     with pytest.raises(ValueError, match="group_rows"):
