@@ -240,6 +240,17 @@ def lag_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[to
     return rows
 
 
+def loop_alone_s(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
+                 single_cfg: GenerationConfig) -> float:
+    """Seconds of the multi-turn loop over one turn of all the tokens (its own per-step cost);
+    the environments are reset outside the timing."""
+    source = sessions(args, len(prompts), turns=1)
+    seconds, _ = timed(lambda: generate_turns(model, prompts, single_cfg, args.turns * args.turn_tokens + 1, source),
+                       prompts[0].device)
+    source.close()
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
@@ -273,11 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         sampled = sum(int(m.sum()) for m in out.response_masks)
     if args.profile:
         profile_calls(args, model, prompts, single_cfg, turn_cfg, budget)
-    # The loop alone: one turn of all the tokens, no environment (its own per-step cost).
-    one_turn, one_source = dataclasses.replace(single_cfg), sessions(args, n, turns=1)  # reset outside the timing
-    loop_s, _ = timed(lambda: generate_turns(model, prompts, one_turn, args.turns * args.turn_tokens + 1,
-                                             one_source), device)
-    one_source.close()
+    loop_s = loop_alone_s(args, model, prompts, single_cfg)
     single, multi = statistics.median(single_s), statistics.median(multi_s)
     error = cache_error(model, prompts, out)
     last = stats[-1]
