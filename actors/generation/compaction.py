@@ -79,7 +79,7 @@ def remap_group_table(table: Tensor, keep: Tensor, n_rows: int) -> Tensor:
     new_index = torch.full((n_rows,), -1, dtype=torch.int64, device=table.device)
     new_index[keep] = torch.arange(keep.numel(), device=table.device)
     mapped = torch.where(table >= 0, new_index[table.clamp(min=0)], -1)
-    order = torch.argsort((mapped < 0).to(torch.int8), dim=1, stable=True)  # kept rows first, in order
+    order = torch.argsort((mapped < 0).to(torch.int32), dim=1, stable=True)  # kept rows first, in order
     return mapped.gather(1, order)
 
 
