@@ -35,6 +35,10 @@ only=${ONLY:-engine,generate,gentp2,realloc,copy,ppo,profile}
 [[ $only == *gentp2* ]] && run generate_tp2 python3 benchmarks/generate_bench.py --tp 2 ${GEN_TP2_ARGS:---modes graph,graph+compile}
 [[ $only == *realloc* ]] && run realloc python3 benchmarks/realloc_bench.py
 [[ $only == *copy* ]] && run segment_copy python3 benchmarks/segment_copy_bench.py
+# Multi-turn rollouts (issue 27, twenty-first step; one GPU, ~2 minutes): fixed-length turns against
+# single-turn generation, finished trajectories dropped, and EOS-ended turns at read lags 0 and 2.
+[[ $only == *multiturn* ]] && LIMIT=${MULTITURN_LIMIT:-300} run multiturn python3 benchmarks/multiturn_bench.py \
+  ${MULTITURN_ARGS:---spread --read-lags 0,2 --mean-turn-len 64}
 # The gpu test tier (pytest comes from .whl: prepare-wheels.sh pytest pluggy iniconfig pytest-timeout).
 [[ $only == *gputests* ]] && run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
 # FP8 rollouts (issue 27, thirteenth step; one H200, ~4 minutes): their gpu tests (the _scaled_mm
