@@ -9,12 +9,14 @@ follow keep their static shape, but a paused row's length does not advance (`ste
 so the slot its step writes is overwritten later. The device decides which rows sample and which
 turns end (actors.generation.turn_state), so the host queues steps ahead: it reads each step's
 sampled ids up to `read_lag` steps later and then hands each ended turn to the `TurnSource`
-(actors.generation.turns) with the ids the trajectory sampled in it. When the source answers with observation ids,
-they are prefilled at the trajectory's current length through a `CacheExtension` (one packed
-forward for every trajectory answered at that moment; no re-prefill of the history) and its next
-turn starts from that forward's last logits. The source steps environments on its own threads,
-so decoding goes on while some trajectories wait; when every live trajectory waits, the loop
-blocks in `poll` until one answer arrives.
+(actors.generation.turns) with the ids the trajectory sampled in it. When the source answers
+with observation ids, they are prefilled at the trajectory's current length through a
+`CacheExtension` (no re-prefill of the history) and its next turn starts from that forward's
+last logits. Answers that arrive while other rows decode are gathered into one packed forward
+(for up to RESUME_AFTER_STEPS steps, or until they are 1/RESUME_BATCH_DIVISOR of the step's
+rows): each forward costs milliseconds of host time however few tokens it has. The source steps
+environments on its own threads, so decoding goes on while some trajectories wait; when every
+live trajectory waits, the loop blocks in `poll` until one answer arrives, and prefills it.
 
 Finished trajectories leave the decode step: once the live ones (decoding or waiting) are at
 most `config.compact_fraction` of the step's rows, their cache rows move to the front and a step
