@@ -189,23 +189,33 @@ def profile_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: lis
                                                       sessions(args, n, turns=1)), device, table=False)
 
 
+def median_turns_call(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
+                      config: GenerationConfig, budget: int, spread: int = 0,
+                      read_lag: int = READ_LAG) -> tuple[float, object]:
+    """Median seconds of `--repeats` multi-turn calls after a warm-up (environments reset outside
+    the timing), and the last call's output."""
+    seconds = []
+    for repeat in range(args.repeats + 1):
+        source = sessions(args, len(prompts), spread=spread)
+        elapsed, out = timed(lambda: generate_turns(model, prompts, config, budget, source, read_lag=read_lag),
+                             prompts[0].device)
+        source.close()
+        if repeat:  # the first is a warm-up
+            seconds.append(elapsed)
+    return statistics.median(seconds), out
+
+
 def spread_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[torch.Tensor],
                  turn_cfg: GenerationConfig, budget: int) -> list[str]:
     """Table rows: trajectories of 1..turns turns, keeping and dropping the finished rows (median
     seconds of the repeats after a warm-up of each); both must sample the same ids."""
-    device, rows, outputs = prompts[0].device, [], {}
+    rows, outputs = [], {}
     for fraction in (0.0, 0.75):
         config = dataclasses.replace(turn_cfg, compact_fraction=fraction)
-        seconds = []
-        for repeat in range(args.repeats + 1):
-            source = sessions(args, len(prompts), spread=args.turns)
-            elapsed, out = timed(lambda: generate_turns(model, prompts, config, budget, source), device)
-            source.close()
-            if repeat:  # the first is a warm-up
-                seconds.append(elapsed)
+        seconds, out = median_turns_call(args, model, prompts, config, budget, spread=args.turns)
         outputs[fraction] = out
         rows.append(f"| 1..{args.turns} turns, compact_fraction {fraction} ({out.stats['compactions']:.0f} "
-                    f"compactions, {out.stats['decode_steps']:.0f} steps) | {statistics.median(seconds):.3f} s |")
+                    f"compactions, {out.stats['decode_steps']:.0f} steps) | {seconds:.3f} s |")
     same = sum(a.tolist() == b.tolist() for a, b in zip(outputs[0.0].responses, outputs[0.75].responses))
     rows.append(f"| 1..{args.turns} turns: trajectories the same either way | {same}/{len(prompts)} |")
     return rows
@@ -216,24 +226,18 @@ def lag_calls(args: argparse.Namespace, model: torch.nn.Module, prompts: list[to
     """Table rows: the multi-turn call at each --read-lags value (median seconds of the repeats
     after a warm-up of each; sessions reset outside the timing); all must sample the same ids.
     --mean-turn-len plants an EOS in `model` first (it stays planted)."""
-    device, rows, outputs = prompts[0].device, [], []
+    rows, outputs = [], []
     if args.mean_turn_len:
         eos = model.spec.eos_token_id if model.spec.eos_token_id is not None else 1
         plant_eos(model, eos, args.mean_turn_len)
         turn_cfg = dataclasses.replace(turn_cfg, ignore_eos=False, eos_token_id=eos)
     for lag in [int(x) for x in args.read_lags.split(",")]:
-        seconds = []
-        for repeat in range(args.repeats + 1):
-            source = sessions(args, len(prompts))
-            elapsed, out = timed(lambda: generate_turns(model, prompts, turn_cfg, budget, source, read_lag=lag), device)
-            source.close()
-            if repeat:
-                seconds.append(elapsed)
+        seconds, out = median_turns_call(args, model, prompts, turn_cfg, budget, read_lag=lag)
         outputs.append(out)
         sampled = sum(int(m.sum()) for m in out.response_masks)
         eos = f", EOS planted: {sampled} sampled" if args.mean_turn_len else ""
         rows.append(f"| multi-turn generation, read_lag {lag}{' (default)' if lag == READ_LAG else ''}{eos} | "
-                    f"{statistics.median(seconds):.3f} s (host waited {out.stats['device_wait_s']:.3f} s, "
+                    f"{seconds:.3f} s (host waited {out.stats['device_wait_s']:.3f} s, "
                     f"{out.stats['decode_steps']:.0f} steps) |")
     same = sum(all(a.tolist() == b.tolist() for a, b in zip(o.responses, outputs[0].responses)) for o in outputs)
     rows.append(f"| read lags sampling the first lag's ids | {same}/{len(outputs)} |")

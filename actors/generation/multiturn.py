@@ -209,7 +209,7 @@ class _TurnLoop:
         self.readback.push(torch.stack([tokens.double(), sampled.logprobs.double(), sampling.double(),
                                         ended.double()]))
         self.cache.step_increment.copy_(sampling)
-        next_input = torch.where(sampling.bool(), tokens, torch.full_like(tokens, config.pad_token_id))
+        next_input = tokens.masked_fill(sampling == 0, config.pad_token_id)  # paused rows feed padding
         # The device's lengths are at most the host's plus one per unread step.
         longest = int(self.state.lengths[self.state.step_rows].max())
         self.logits = self.decode(next_input, attend_length(longest, unread, config, self.cache.max_len))

@@ -83,11 +83,12 @@ class HostTrajectories:
         self.turn_len[rows] += 1
         self.used[rows] += 1
         self.lengths[rows] += 1
-        ended = np.flatnonzero(values[3] > 0)
+        ended_step = np.flatnonzero(values[3] > 0)
+        ended = self.step_rows[ended_step].tolist()
         stop = self.config.stop_token
-        for row, token in zip(self.step_rows[ended].tolist(), values[0, ended].tolist()):
+        for row, token in zip(ended, values[0, ended_step].tolist()):
             self.no_eos[row] = stop is None or int(token) != stop
-        return self.step_rows[ended].tolist()
+        return ended
 
     def end_turn(self, row: int) -> list[int]:
         """Close the row's turn (it now waits); returns the ids it sampled in that turn."""
@@ -139,8 +140,7 @@ class HostTrajectories:
         return int((self.budget - self.used[live]).max()) if live.any() else 0
 
     def keep_step_rows(self, keep: np.ndarray) -> None:
-        """The step now holds only its rows `keep` (in order): remap, and drop the buffers sized
-        for the old step."""
+        """The step now holds only its rows `keep` (in order): remap global and step rows."""
         self.step_rows = self.step_rows[keep]
         self.step_of[:] = -1
         self.step_of[self.step_rows] = np.arange(len(self.step_rows))
@@ -215,8 +215,7 @@ class StepReadback:
 
     def __init__(self, n: int, device: torch.device, slots: int) -> None:
         self.cuda = device.type == "cuda"
-        self.buffers = [torch.empty((READBACK_ROWS, n), dtype=torch.float64, pin_memory=self.cuda)
-                        for _ in range(slots)]
+        self.buffers = self._buffers(n, slots)
         self.queue: deque[tuple[Tensor, torch.cuda.Event | None]] = deque()
         self.next = 0
         self.wait_s = 0.0
@@ -252,9 +251,11 @@ class StepReadback:
         """Buffers for steps of n rows (after the step dropped rows); every step must be read."""
         if self.queue:
             raise RuntimeError(f"StepReadback.resize: {len(self.queue)} steps unread")
-        self.buffers = [torch.empty((READBACK_ROWS, n), dtype=torch.float64, pin_memory=self.cuda)
-                        for _ in self.buffers]
+        self.buffers = self._buffers(n, len(self.buffers))
         self.next = 0
+
+    def _buffers(self, n: int, slots: int) -> list[Tensor]:
+        return [torch.empty((READBACK_ROWS, n), dtype=torch.float64, pin_memory=self.cuda) for _ in range(slots)]
 
 
 __all__ = ["READBACK_ROWS", "DeviceTurns", "HostTrajectories", "StepReadback"]
