@@ -18,8 +18,10 @@ batch sizes.
     if compactor.due(live_rows, steps_left):
         keep = compactor.compact(recorder.finished, cache)   # int64 [n] of the step's rows, or None
 
-The serial loop (`actors.generation.loop`) and the multi-turn loop (`actors.generation.multiturn`,
-where a trajectory is finished once its environment ended it; paused ones keep their rows) use it.
+The serial loop (`actors.generation.loop`), the multi-turn loop (`actors.generation.multiturn`,
+where a trajectory is finished once its environment ended it; paused ones keep their rows) and
+the pipelined loop (`actors.generation.pipelined`: one compactor per micro-batch, its last stage
+decides and every stage drops the same rows) use it.
 """
 
 from __future__ import annotations
@@ -108,11 +110,16 @@ class RowCompactor:
         keep = torch.nonzero(~step_finished).squeeze(1)
         if keep.numel() == 0:
             return None
+        self.drop(keep, cache)
+        return keep
+
+    def drop(self, keep: Tensor, cache: HeadMajorKVCache) -> None:
+        """Keep only the step rows `keep` (int64 [n], increasing, on the cache's device), decided
+        elsewhere (the pipelined loop's last stage decides for every stage)."""
         keep_cache_rows(cache, keep)
         self.active = keep if self.active is None else self.active[keep]
         self.n_step_rows = keep.numel()
         self.compactions += 1
-        return keep
 
 
 __all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "remap_group_table"]

@@ -44,8 +44,8 @@ class GenerationConfig:
     mantissa bits as they are cached and widened back as decode attention reads them; half the
     cache's bytes to hold and to read; the prefill attends its own prompt in full precision).
     compact_fraction: once the rows still generating are at most this fraction of the decode
-    step's rows, the step drops the finished ones (`actors.generation.compaction`; the serial
-    and multi-turn loops, not the pipelined one); 0 keeps every row to the end. In [0, 1).
+    step's rows, the step drops the finished ones (`actors.generation.compaction`; under pp each
+    micro-batch on its own); 0 keeps every row to the end. In [0, 1).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.

@@ -6,12 +6,19 @@ decode of the token sampled in round r-1. Every stage walks the rounds in the sa
 (r, 0), (r, 1), ..., (r, M-1), (r+1, 0), ..., so while the last stage samples micro-batch m the
 first stage already runs micro-batch m+1: with M >= pp no stage idles for a whole step.
 
-Messages (all point-to-point inside this rank's pipeline column, sends non-blocking):
-- stage s -> s+1: an int64 [1] header (1 = micro-batch still running, 0 = finished), then, when
-  running, the hidden states [T_m, H] (prefill) or [b_m, H] (decode);
-- last stage -> first stage, after sampling round r (when r+1 < max_new_tokens): int64 [b_m + 1],
-  the next decode inputs followed by the "still running" flag. The first stage turns a 0 flag
-  into a 0 header, which tells every later stage that micro-batch m is done.
+Each micro-batch drops its finished rows on its own (`actors.generation.compaction`, one
+`RowCompactor` per micro-batch): the last stage, which samples and so knows which rows finished,
+decides, and the keep mask travels with the next round's messages, so every stage drops the same
+rows from its cache before that micro-batch's next decode step.
+
+Messages (all point-to-point inside this rank's pipeline column, sends non-blocking; b_m is the
+micro-batch's row count before the round's compaction):
+- stage s -> s+1: an int64 [1 + b_m] header (1 = micro-batch still running, 0 = finished; then
+  the keep mask, all ones when no row is dropped), then, when running, the hidden states
+  [T_m, H] (prefill) or [b_m', H] (decode, b_m' the rows kept);
+- last stage -> first stage, after sampling round r (when r+1 < max_new_tokens): int64
+  [2 b_m + 1], the next decode inputs, then the "still running" flag and the keep mask, which the
+  first stage passes on as the header: a 0 flag tells every later stage that micro-batch m is done.
 The last stage samples (tp rank 0 of its tp group, broadcast, as in generate.py) with the per
 (seed, step) uniforms of the whole batch, so samples equal those of pp = 1. At the end the last
 stage broadcasts the response buffers over the pipeline group and every rank returns the same
@@ -20,6 +27,7 @@ stage broadcasts the response buffers over the pipeline group and every rank ret
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from actors.engine import PackedBatch, ParallelGroups
+from actors.generation.compaction import RowCompactor
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
     GenerationConfig,
@@ -43,12 +52,19 @@ from actors.generation.sampling import sample_tensor_parallel
 @dataclass(frozen=True)
 class MicroBatchSlot:
     """One micro-batch on this stage: its global sequence rows int64 [b], packed prompt tokens
-    [T_m], prompt boundaries and KV cache (mutable tensors inside, the grouping is fixed)."""
+    [T_m], prompt boundaries, KV cache and compactor (mutable inside, the grouping is fixed)."""
 
     rows: Tensor
     prompt_tokens: Tensor
     batch: PackedBatch
     cache: HeadMajorKVCache
+    compactor: RowCompactor
+
+    @property
+    def step_rows(self) -> Tensor:
+        """The global rows int64 [b'] the decode step holds, in step order (finished ones dropped)."""
+        active = self.compactor.active
+        return self.rows if active is None else self.rows[active]
 
 
 def split_rows(n_seqs: int, n_parts: int) -> list[range]:
@@ -100,44 +116,57 @@ def _build_slots(model: nn.Module, prompts: list[Tensor], config: GenerationConf
         tokens, batch, cache = prepare_cache(model, [prompts[i] for i in part], config, device,
                                              count_fused=slot_index == 0)
         rows = torch.tensor(list(part), dtype=torch.int64, device=device)
-        slots.append(MicroBatchSlot(rows, tokens, batch, cache))
+        slots.append(MicroBatchSlot(rows, tokens, batch, cache, RowCompactor(len(part), config)))
     return slots
 
 
 def _receive_input(slot: MicroBatchSlot, rnd: int, messenger: PipelineMessenger,
                    groups: ParallelGroups) -> Tensor | None:
     """Input of round `rnd` for this stage, or None when the micro-batch has finished: prompt
-    tokens / sampled tokens [b] on the first stage, hidden states on the others. Forwards the
-    running / finished header to the next stage."""
-    n_rows = slot.rows.numel()
-    x: Tensor | None
-    if groups.is_first_stage:
-        if rnd == 0:
-            x = slot.prompt_tokens
-        else:
-            message = messenger.recv((n_rows + 1,), torch.int64, groups.last_stage_rank)
-            x = message[:n_rows] if bool(message[n_rows]) else None
+    tokens / sampled tokens [b'] on the first stage, hidden states on the others. Forwards the
+    header (running flag, keep mask) to the next stage and drops the rows it says to drop."""
+    n_rows = slot.compactor.n_step_rows
+    x: Tensor | None = None
+    if groups.is_first_stage and rnd == 0:
+        x = slot.prompt_tokens
+        header = torch.ones(1 + n_rows, dtype=torch.int64, device=slot.rows.device)
+    elif groups.is_first_stage:
+        message = messenger.recv((2 * n_rows + 1,), torch.int64, groups.last_stage_rank)
+        x, header = message[:n_rows], message[n_rows:]
     else:
-        header = messenger.recv((1,), torch.int64, groups.prev_stage_rank)
-        x = messenger.recv_hidden(slot.batch.n_tokens if rnd == 0 else n_rows) if bool(header[0]) else None
+        header = messenger.recv((1 + n_rows,), torch.int64, groups.prev_stage_rank)
     if not groups.is_last_stage:
-        header = torch.tensor([int(x is not None)], dtype=torch.int64, device=slot.rows.device)
         messenger.send(header, groups.next_stage_rank)
-    return x
+    flags = header.cpu()  # one host read: the running flag and the keep mask
+    if not bool(flags[0]):
+        return None
+    if not bool(flags[1:].all()):
+        keep = torch.nonzero(flags[1:]).squeeze(1).to(slot.rows.device)
+        slot.compactor.drop(keep, slot.cache)
+        x = x[keep] if x is not None else None
+    if groups.is_first_stage:
+        return x
+    return messenger.recv_hidden(slot.batch.n_tokens if rnd == 0 else slot.compactor.n_step_rows)
 
 
 def _sample_and_reply(out: Tensor, slot: MicroBatchSlot, rnd: int, uniforms: Tensor | None,
                       recorder: ResponseRecorder, messenger: PipelineMessenger, groups: ParallelGroups) -> None:
     """Last stage: sample round `rnd` of a micro-batch, record it, and send the next decode
-    inputs plus the "still running" flag back to the first stage."""
+    inputs, the "still running" flag and the keep mask (all ones unless compaction is due) back to
+    the first stage."""
     config = recorder.config
     logits = out  # [b, V_local]: the prefill already kept each prompt's last token only
-    mb_uniforms = None if uniforms is None else uniforms[slot.rows]
+    rows = slot.step_rows
+    mb_uniforms = None if uniforms is None else uniforms[rows]
     sampled = sample_tensor_parallel(logits, config.sampling, mb_uniforms, groups.tp_group)
-    next_tokens = recorder.record(slot.rows, rnd, sampled)
-    if rnd + 1 < config.max_new_tokens:
-        still = torch.tensor([int(not recorder.all_finished(slot.rows))], dtype=torch.int64, device=out.device)
-        messenger.send(torch.cat([next_tokens, still]), groups.pp_global_ranks[0])
+    next_tokens = recorder.record(rows, rnd, sampled)
+    steps_left = config.max_new_tokens - rnd - 1
+    if steps_left > 0:
+        live = ~recorder.finished[rows]
+        live_count = int(live.sum())
+        keep = live if slot.compactor.due(live_count, steps_left) else torch.ones_like(live)
+        still = torch.tensor([int(live_count > 0)], dtype=torch.int64, device=out.device)
+        messenger.send(torch.cat([next_tokens, still, keep.to(torch.int64)]), groups.pp_global_ranks[0])
 
 
 @torch.no_grad()
@@ -171,6 +200,8 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
                 last = slot.batch.last_token_indices() if groups.is_last_stage else None
                 out = model(x, slot.batch, slot.cache, head_indices=last)
             else:
+                if decoders[m].static_input.shape[0] != slot.compactor.n_step_rows:  # rows were dropped
+                    decoders[m] = decoders[m].for_cache(slot.cache)
                 out = decoders[m](x, attend_length(slot.batch.max_seqlen, rnd - 1, config, slot.cache.max_len))
             if groups.is_last_stage:
                 _sample_and_reply(out, slot, rnd, uniforms, recorder, messenger, groups)
@@ -180,10 +211,11 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
         if not any(running):
             break
     messenger.finish()
+    stats = {"compactions": float(sum(slot.compactor.compactions for slot in slots))}
     del decoders, slots  # frees the caches (and any captured graphs) with the call
     _broadcast_responses(recorder, groups)
     prompt_tokens = torch.cat([p.to(device=device, dtype=torch.int64) for p in prompts])
-    return recorder.output(prompts, prompt_tokens)
+    return dataclasses.replace(recorder.output(prompts, prompt_tokens), stats=stats)
 
 
 def _broadcast_responses(recorder: ResponseRecorder, groups: ParallelGroups) -> None:
