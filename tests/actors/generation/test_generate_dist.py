@@ -237,3 +237,42 @@ def test_cli_generate_with_tp2_pp2_dp2_layouts(tmp_path: Path) -> None:
     # prompts and order, responses of the requested length or ending in EOS.
     assert [r["prompt"] for r in outputs["dp2"]] == [r["prompt"] for r in single]
     assert all(len(r["response_tokens"]) == 6 or r["response_tokens"][-1] == 2 for r in outputs["dp2"])
+
+
+def generate_tp2pp2(rank: int, world_size: int, path: str, eos: int) -> dict[str, Any]:
+    """Worker (4 ranks): the sampled and compacted configs under tp2pp2, 3 micro-batches."""
+    from actors.engine.hf_io import load_hf_checkpoint
+    from actors.engine.parallelize import build_model_shard
+    from actors.engine.process_groups import build_parallel_groups, destroy_parallel_groups
+
+    spec = ModelSpec.from_hf_config(path)
+    layout = Layout.parse("tp2pp2")
+    groups = build_parallel_groups(layout)
+    model = build_model_shard(spec, False, layout, (groups.dp_rank, groups.tp_rank, groups.pp_rank), groups, "cpu",
+                              torch.float32, seed=None)
+    load_hf_checkpoint(path, spec, False, model, groups.tp_rank, layout.tp)
+    model.eval()
+    results = {}
+    for name in ("sampled", "compacted"):
+        config = GenerationConfig(**{**configs(eos)[name].__dict__, "pp_micro_batches": 3})
+        results[name] = summary(generate(model, prompts_for(spec.vocab_size), config, groups))
+    destroy_parallel_groups(groups)
+    return results
+
+
+@pytest.mark.dist
+def test_tp2pp2_generation_with_compaction_matches_serial(tmp_path: Path) -> None:
+    """tp and pp together (4 gloo processes): each pipeline column samples on its last stage's tp
+    rank 0 and drops the same rows per micro-batch, so every rank returns the serial run's output."""
+    path, hf = save_hf(tmp_path, "Llama")
+    prompts = prompts_for(BASE["vocab_size"])
+    eos = hf_greedy(hf, prompts[0], None)[2]
+    serial = serial_model(path)
+    per_rank = run_distributed(generate_tp2pp2, 4, str(path), eos)
+    for name in ("sampled", "compacted"):
+        ref = summary(generate(serial, prompts, configs(eos)[name]))
+        for result in (rank_result[name] for rank_result in per_rank):
+            assert result["responses"] == ref["responses"] and result["no_eos"] == ref["no_eos"], name
+            torch.testing.assert_close(torch.tensor(result["logprobs"]), torch.tensor(ref["logprobs"]), atol=1e-4,
+                                       rtol=0)
+    assert all(rank_result["compacted"]["compactions"] >= 2 for rank_result in per_rank)
