@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from actors.generation.kv_cache import HeadMajorKVCache
+from actors.kernels.decode_attention import sm_count
 
 
 def parameter_key(model: nn.Module) -> tuple[int, ...]:
@@ -39,6 +40,8 @@ class DecodeStep:
         self.model = model
         # torch.compile'd forward for decode (same parameters; the wrapper only changes kernels).
         self.forward = torch.compile(model) if compile_model else model
+        if compile_model and cache.lengths.device.type == "cuda":
+            sm_count(cache.lengths.device)  # cached now, so the trace reads it (no guard that fails next call)
         self.cache = cache
         self.batch = cache.decode_batch()  # positions come from cache.lengths during decode
         self.use_cuda_graph = use_cuda_graph and cache.lengths.device.type == "cuda"

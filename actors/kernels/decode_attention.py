@@ -220,11 +220,14 @@ def decode_splits(n_seqs: int, n_kv: int, capacity: int, n_sms: int) -> int:
 def default_splits(n_seqs: int, n_kv: int, capacity: int, device: torch.device) -> int:
     """The split count `gqa_decode_attention` takes on `device` when given neither splits nor
     block_n: `decode_splits` with the GPU's multiprocessor count on CUDA, else 1."""
-    return decode_splits(n_seqs, n_kv, capacity, _sm_count(device)) if device.type == "cuda" else 1
+    return decode_splits(n_seqs, n_kv, capacity, sm_count(device)) if device.type == "cuda" else 1
 
 
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device, cached (a plain dict: torch.compile traces it quietly)."""
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, cached in a plain dict that torch.compile traces quietly.
+    Call it once before a compiled function first reads it: a trace that fills the dict leaves a
+    guard ("device not in the dict") that fails on the next call, which recompiles the whole
+    function (a decode step: seconds)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -382,6 +385,6 @@ def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_ca
 
 
 __all__ = [
-    "decode_splits", "default_splits", "gqa_decode_attention", "gqa_decode_attention_reference",
+    "decode_splits", "default_splits", "gqa_decode_attention", "gqa_decode_attention_reference", "sm_count",
     "kernel_supports_head_dim",
 ]

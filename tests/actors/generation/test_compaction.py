@@ -187,7 +187,14 @@ def test_cuda_graph_steps_with_compaction_equal_keeping_every_row(compile_decode
                 use_cuda_graph=True, compile_decode=compile_decode)
     from torch._dynamo.utils import counters
 
+    from actors.kernels import decode_attention
+
+    decode_attention._SM_COUNTS.clear()  # as in a fresh process: the first step's trace must not fill it
+    torch._dynamo.reset()
+    counters.clear()
     kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))
+    if compile_decode:  # one graph for a step of fixed rows
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
     counters.clear()
     compacted = generate(model, rows, GenerationConfig(**base))
