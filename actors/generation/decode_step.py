@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from actors.generation.kv_cache import HeadMajorKVCache
-from actors.kernels.decode_attention import sm_count
+from actors.kernels import sm_count
 
 
 def parameter_key(model: nn.Module) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ Imports nothing of actors/ but its own modules (the bottom layer).
 
 from __future__ import annotations
 
-from actors.kernels.decode_attention import default_splits, gqa_decode_attention, kernel_supports_head_dim
+from actors.kernels.decode_attention import default_splits, gqa_decode_attention, kernel_supports_head_dim, sm_count
 from actors.kernels.fused_logprobs import logprob_grad, logprob_row_stats
 from actors.kernels.fused_sampling import sample_rows, sample_rows_reference
 from actors.kernels.prefix_attention import prefix_partials
@@ -31,7 +31,7 @@ __all__ = [
     # switch.py
     "e4m3_native", "triton_on", "triton_reads_e4m3", "triton_runs",
     # decode_attention.py
-    "default_splits", "gqa_decode_attention", "kernel_supports_head_dim",
+    "default_splits", "gqa_decode_attention", "kernel_supports_head_dim", "sm_count",
     # fused_logprobs.py
     "logprob_grad", "logprob_row_stats",
     # fused_sampling.py
