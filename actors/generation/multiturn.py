@@ -14,8 +14,7 @@ with observation ids, they are prefilled at the trajectory's current length thro
 `CacheExtension` (no re-prefill of the history) and its next turn starts from that forward's
 last logits. Answers that arrive while other rows decode are gathered into one packed forward
 (for up to RESUME_AFTER_STEPS steps, or until they are 1/RESUME_BATCH_DIVISOR of the step's
-rows, or until no other answer is to come): each forward costs milliseconds of host time however
-few tokens it has. The source steps
+rows): each forward costs milliseconds of host time however few tokens it has. The source steps
 environments on its own threads, so decoding goes on while some trajectories wait; when every
 live trajectory waits, the loop blocks in `poll` until one answer arrives, and prefills it.
 
@@ -260,12 +259,10 @@ class _TurnLoop:
         """Whether to prefill the answered observations now: an observation prefill is a whole
         eager forward (hundreds of kernel launches, milliseconds of host time), so answers that
         arrive one or two at a time are gathered for up to RESUME_AFTER_STEPS decode steps, or
-        until they are 1/RESUME_BATCH_DIVISOR of the step's rows, or no row decodes, or no other
-        answer is still to come (every waiting row is answered: waiting gathers nothing)."""
+        until they are 1/RESUME_BATCH_DIVISOR of the step's rows, or no row decodes."""
         return (not self.state.decoding.any()
                 or self.stats["decode_steps"] - self.deferred_since >= RESUME_AFTER_STEPS
-                or len(self.deferred) * RESUME_BATCH_DIVISOR >= len(self.state.step_rows)
-                or int(self.state.waiting.sum()) == len(self.deferred))
+                or len(self.deferred) * RESUME_BATCH_DIVISOR >= len(self.state.step_rows))
 
     def resume(self) -> int:
         """Take the deferred answers: prefill each observation at its trajectory's length (its

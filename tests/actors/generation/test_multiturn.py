@@ -242,41 +242,6 @@ def test_observations_arriving_one_by_one_are_prefilled_together() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-class OneAnswerLate(CountedTurns):
-    """Every answer at the first poll after its submit, row `late`'s at the second."""
-
-    def __init__(self, prompts: list[torch.Tensor], turns: list[int], late: int) -> None:
-        super().__init__(prompts, turns)
-        self.late = late
-
-    def submit(self, row: int, action_ids: list[int], last: bool) -> None:
-        super().submit(row, action_ids, last)
-        _, result = self.queue.pop()
-        self.queue.append((2 if row == self.late else 1, result))
-
-    def poll(self, wait_s: float) -> list[TurnResult]:
-        self.queue = [(left - 1, result) for left, result in self.queue]
-        ready = [result for left, result in self.queue if left <= 0]
-        self.queue = [(left, result) for left, result in self.queue if left > 0]
-        return ready
-
-
-def test_the_last_answer_is_prefilled_without_waiting_for_others() -> None:
-    """One answer a poll behind the others, alone among 32 decoding rows: no other answer is to
-    come, so it is prefilled at once, not after RESUME_AFTER_STEPS steps (the call takes about as
-    many decode steps as answering every row together), with the same ids."""
-    model = ours_from_hf(build_hf("Qwen2", seed=1))
-    prompts = random_prompts(BASE["vocab_size"], [3 + i % 4 for i in range(32)], seed=5)
-    turns = [2] * 32
-    config = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=None,
-                              compact_fraction=0.0)
-    late = generate_turns(model, prompts, config, 60, OneAnswerLate(prompts, turns, late=31))
-    together = generate_turns(model, prompts, config, 60, OneAnswerLate(prompts, turns, late=-1))
-    assert (late.stats["extensions"], together.stats["extensions"]) == (2.0, 1.0)
-    assert late.stats["decode_steps"] <= together.stats["decode_steps"] + 1, (late.stats, together.stats)
-    assert [r.tolist() for r in late.responses] == [r.tolist() for r in together.responses]
-
-
 def test_negative_read_lag_is_refused() -> None:
     model = ours_from_hf(build_hf("Qwen2", seed=3))
     prompts = random_prompts(BASE["vocab_size"], [3], seed=1)
