@@ -127,9 +127,11 @@ def _receive_input(slot: MicroBatchSlot, rnd: int, messenger: PipelineMessenger,
     header (running flag, keep mask) to the next stage and drops the rows it says to drop."""
     n_rows = slot.compactor.n_step_rows
     x: Tensor | None = None
+    flags: Tensor | None = None
     if groups.is_first_stage and rnd == 0:
         x = slot.prompt_tokens
-        header = torch.ones(1 + n_rows, dtype=torch.int64, device=slot.rows.device)
+        flags = torch.ones(1 + n_rows, dtype=torch.int64)  # running, none dropped: no device read needed
+        header = flags.to(slot.rows.device)
     elif groups.is_first_stage:
         message = messenger.recv((2 * n_rows + 1,), torch.int64, groups.last_stage_rank)
         x, header = message[:n_rows], message[n_rows:]
@@ -137,7 +139,8 @@ def _receive_input(slot: MicroBatchSlot, rnd: int, messenger: PipelineMessenger,
         header = messenger.recv((1 + n_rows,), torch.int64, groups.prev_stage_rank)
     if not groups.is_last_stage:
         messenger.send(header, groups.next_stage_rank)
-    flags = header.cpu()  # one host read: the running flag and the keep mask
+    if flags is None:
+        flags = header.cpu()  # one host read: the running flag and the keep mask
     if not bool(flags[0]):
         return None
     if not bool(flags[1:].all()):
