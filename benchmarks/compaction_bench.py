@@ -13,7 +13,10 @@ weights of this shape.
 
 For each --fractions value (0: keep every row) one warm-up call, then --reps timed calls; the
 table gives the decode seconds (device time, graph captures included), response tokens per
-second, compactions per call and the speed-up over fraction 0. Every fraction samples with the
+second, compactions per call and the speed-up over fraction 0. "compact s" is the host time of a
+call's compactions (each from the decision to the smaller step's first call, which captures its
+graph); "first call s" the warm-up call's wall time (the first fraction pays the compile, later
+ones any recompile for a new row count). Every fraction samples with the
 same seed, so the rows' lengths agree up to bf16 ties (a different row count's GEMMs round
 differently); the table says how many rows agree with fraction 0.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from statistics import median
 
@@ -47,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--mean-len", type=float, default=200.0, help="mean response length the planted EOS aims at")
     parser.add_argument("--fractions", default="0,0.75,0.5", help="GenerationConfig.compact_fraction values")
+    parser.add_argument("--row-multiple", type=int, default=1, help="GenerationConfig.compact_row_multiple")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU, eager steps")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 4 prompts x 4 of 8 tokens, 64 new tokens")
@@ -90,13 +95,18 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     baseline_lengths: list[int] | None = None
     for fraction in args.fraction_list:
         config = GenerationConfig(args.new_tokens, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
-                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction)
+                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction,
+                                  compact_row_multiple=args.row_multiple)
+        began = time.perf_counter()
         timed_call(model, prompts, config)  # compile, autotune, first captures
+        torch.cuda.synchronize() if cuda else None
+        first_call_s = time.perf_counter() - began
         outs = [timed_call(model, prompts, config) for _ in range(args.reps)]
         lengths = outs[-1].response_lengths.tolist()
         baseline_lengths = lengths if baseline_lengths is None else baseline_lengths
         decode_s = median(o.stats["decode_s"] for o in outs)
         rows.append({"fraction": fraction, "decode_s": decode_s, "capture_s": median(o.stats["capture_s"] for o in outs),
+                     "compact_s": median(o.stats["compact_s"] for o in outs), "first_call_s": first_call_s,
                      "compactions": outs[-1].stats["compactions"], "mean_len": sum(lengths) / len(lengths),
                      "tokens_per_s": sum(lengths) / decode_s,
                      "same_rows": sum(a == b for a, b in zip(lengths, baseline_lengths))})
@@ -108,14 +118,15 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
     where = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     n_rows = args.prompts * args.group
     print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
-          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
+          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}, "
+          f"compacted steps keep a multiple of {args.row_multiple} rows")
     base = next(r for r in rows if r["fraction"] == 0.0)
-    print(f"{'compact_fraction':>16} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'resp tok/s':>11} "
-          f"{'compactions':>12} {'speed-up':>9} {'same rows':>10}")
+    print(f"{'compact_fraction':>16} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'compact s':>10} "
+          f"{'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} {'first call s':>13}")
     for r in rows:
         print(f"{r['fraction']:>16g} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} {r['capture_s']:>10.3f} "
-              f"{r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} {base['decode_s'] / r['decode_s']:>8.2f}x "
-              f"{r['same_rows']:>6.0f}/{n_rows}")
+              f"{r['compact_s']:>10.3f} {r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} "
+              f"{base['decode_s'] / r['decode_s']:>8.2f}x {r['same_rows']:>6.0f}/{n_rows} {r['first_call_s']:>13.1f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,7 +92,9 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
         next_tokens = recorder.record(compactor.active, step, sampled)
         if step + 1 == config.max_new_tokens:
             break
-        if finished is not None and compactor.due(finished.live, config.max_new_tokens - step - 1):
+        compacting = finished is not None and compactor.due(finished.live, config.max_new_tokens - step - 1)
+        if compacting:
+            compact_started = time.perf_counter()
             keep = compactor.compact(recorder.finished, cache)  # the step's live rows, moved to the front
             if keep is None:
                 break
@@ -107,6 +109,8 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
         steps += 1
         if step == 0:  # compile on first use, warm-up runs and graph capture
             clock.totals["capture_s"] += time.perf_counter() - started
+        elif compacting:  # the rows' move and the new step's first call (its graph's capture)
+            clock.totals["compact_s"] += time.perf_counter() - compact_started
         # The device runs the step just queued while the host waits for the flag; when every
         # sequence has finished, that one step's logits go unused.
         if finished is not None and clock.timed_wait(finished.all_set):
@@ -150,14 +154,15 @@ class PhaseClock:
     """Seconds of a generation call's phases: "prefill_s" (cache allocation and the packed
     prefill) and "decode_s" (the decode loop, sampling and graph capture included) as device time
     between CUDA events (host time on CPU, where every op is synchronous), "capture_s" (host
-    seconds of the first decode step: compile on first use and graph capture), "sync_wait_s"
-    (host seconds blocked reading the finished flag: the share of the loop the device sets the
-    pace of). One event pair per phase, read once at the end."""
+    seconds of the first decode step: compile on first use and graph capture), "compact_s" (host
+    seconds of the compactions, each from the decision to the return of the smaller step's first
+    call, which captures its graph), "sync_wait_s" (host seconds blocked reading the finished
+    flag: the share of the loop the device sets the pace of). One event pair per phase, read once at the end."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, torch.cuda.Event | float]] = [("start", self._now())]
-        self.totals: dict[str, float] = {"capture_s": 0.0, "sync_wait_s": 0.0}
+        self.totals: dict[str, float] = {"capture_s": 0.0, "compact_s": 0.0, "sync_wait_s": 0.0}
 
     def _now(self) -> torch.cuda.Event | float:
         if not self.cuda:

@@ -19,8 +19,9 @@ def test_tiny_run_compacts_and_samples_the_same_rows(capsys: pytest.CaptureFixtu
     assert [row[0] for row in cells] == ["0", "0.5"]
     mean_len = [float(row[1]) for row in cells]
     assert mean_len[0] == mean_len[1] and 10.0 < mean_len[0] < 45.0  # aimed at 24 of a 64-token budget
-    assert cells[0][5] == "0" and int(cells[1][5]) >= 1  # compactions
-    assert all(row[-1] == "16/16" for row in cells)  # the same length for every row
+    assert cells[0][6] == "0" and int(cells[1][6]) >= 1  # compactions
+    assert float(cells[0][4]) == 0.0 and float(cells[1][4]) > 0.0  # their host seconds
+    assert all(row[-2] == "16/16" for row in cells)  # the same length for every row
 
 
 @pytest.mark.parametrize("fractions", ["0.5", "0,1.0", "0,-0.5"])
