@@ -24,6 +24,7 @@ differently); the table says how many rows agree with fraction 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fractions", default="0,0.75,0.5", help="GenerationConfig.compact_fraction values")
     parser.add_argument("--row-multiple", type=int, default=1, help="GenerationConfig.compact_row_multiple")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--compile-times", action="store_true",
+                        help="print torch._dynamo's compile-time breakdown (seconds by phase) before the table")
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU, eager steps")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 4 prompts x 4 of 8 tokens, 64 new tokens")
     args = parser.parse_args(argv)
@@ -110,7 +113,9 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                      "compactions": outs[-1].stats["compactions"], "mean_len": sum(lengths) / len(lengths),
                      "tokens_per_s": sum(lengths) / decode_s,
                      "same_rows": sum(a == b for a, b in zip(lengths, baseline_lengths))})
-        print(f"measured fraction {fraction:g}: decode {decode_s:.3f} s", flush=True)
+        triton_dir = os.environ.get("TRITON_CACHE_DIR")
+        built = f", {len(os.listdir(triton_dir))} Triton kernels in its cache" if triton_dir and os.path.isdir(triton_dir) else ""
+        print(f"measured fraction {fraction:g}: decode {decode_s:.3f} s, first call {first_call_s:.1f} s{built}", flush=True)
     return rows
 
 
@@ -132,7 +137,11 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(2 if args.cpu else 1)
-    print_table(args, run(args))
+    rows = run(args)
+    if args.compile_times:
+        from torch._dynamo.utils import compile_times
+        print(compile_times(repr="str", aggregate=True))
+    print_table(args, rows)
 
 
 if __name__ == "__main__":
