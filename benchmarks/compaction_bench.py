@@ -52,7 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--mean-len", type=float, default=200.0, help="mean response length the planted EOS aims at")
     parser.add_argument("--fractions", default="0,0.75,0.5", help="GenerationConfig.compact_fraction values")
-    parser.add_argument("--row-multiple", type=int, default=1, help="GenerationConfig.compact_row_multiple")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile-times", action="store_true",
                         help="print torch._dynamo's compile-time breakdown (seconds by phase) before the table")
@@ -98,11 +97,11 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     baseline_lengths: list[int] | None = None
     for fraction in args.fraction_list:
         config = GenerationConfig(args.new_tokens, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
-                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction,
-                                  compact_row_multiple=args.row_multiple)
+                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction)
         began = time.perf_counter()
         timed_call(model, prompts, config)  # compile, autotune, first captures
-        torch.cuda.synchronize() if cuda else None
+        if cuda:
+            torch.cuda.synchronize()
         first_call_s = time.perf_counter() - began
         outs = [timed_call(model, prompts, config) for _ in range(args.reps)]
         lengths = outs[-1].response_lengths.tolist()
@@ -123,8 +122,7 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
     where = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     n_rows = args.prompts * args.group
     print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
-          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}, "
-          f"compacted steps keep a multiple of {args.row_multiple} rows")
+          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
     base = next(r for r in rows if r["fraction"] == 0.0)
     print(f"{'compact_fraction':>16} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'compact s':>10} "
           f"{'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} {'first call s':>13}")

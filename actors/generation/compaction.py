@@ -85,21 +85,6 @@ def remap_group_table(table: Tensor, keep: Tensor, n_rows: int) -> Tensor:
     return mapped.gather(1, order)
 
 
-def keep_mask(step_finished: Tensor, multiple: int) -> Tensor:
-    """bool [n] of the step's rows to keep (step_finished: bool [n]): the live ones, and the first
-    finished ones as filler up to a multiple of `multiple` rows (or all n). Reads the live count
-    on the host. Filler rows decode on as finished rows do before any compaction (their tokens
-    are ignored); they keep the row count a multiple of 16 where Triton specializes integer
-    arguments by divisibility, so new row counts need no new kernel builds."""
-    keep = ~step_finished
-    n_live = int(keep.sum())
-    extra = min(-n_live % multiple, step_finished.numel() - n_live)
-    if extra:
-        first_finished = torch.cumsum(step_finished.to(torch.int32), 0) <= extra  # [n]
-        keep = keep | (step_finished & first_finished)
-    return keep
-
-
 class RowCompactor:
     """Which global rows the decode step holds (`active`: int64 [n] in step order, None while it
     holds all of them), and when to drop the finished ones (module docstring)."""
@@ -107,7 +92,6 @@ class RowCompactor:
     def __init__(self, n_rows: int, config: GenerationConfig) -> None:
         self.n_step_rows = n_rows
         self.fraction = config.compact_fraction
-        self.multiple = config.compact_row_multiple
         self.active: Tensor | None = None
         self.compactions = 0
 
@@ -116,18 +100,16 @@ class RowCompactor:
         read from the device; None: not known yet) and at most `steps_left` decode steps to go."""
         if live_rows is None or self.fraction <= 0.0:
             return False
-        kept = -(-live_rows // self.multiple) * self.multiple  # with the filler rows
-        return (0 < live_rows <= self.fraction * self.n_step_rows and kept < self.n_step_rows
-                and steps_left >= MIN_STEPS_LEFT)
+        return 0 < live_rows <= self.fraction * self.n_step_rows and steps_left >= MIN_STEPS_LEFT
 
     def compact(self, finished: Tensor, cache: HeadMajorKVCache) -> Tensor | None:
         """Drop the step's finished rows from `cache` (finished: bool [n_rows_total], by global
         row). Returns the kept step rows (int64 [n], to pick the next input with), or None when
         none is live (the call is done). Reads the flags on the host."""
         step_finished = finished if self.active is None else finished[self.active]
-        if bool(step_finished.all()):
+        keep = torch.nonzero(~step_finished).squeeze(1)
+        if keep.numel() == 0:
             return None
-        keep = torch.nonzero(keep_mask(step_finished, self.multiple)).squeeze(1)
         self.drop(keep, cache)
         return keep
 
@@ -140,4 +122,4 @@ class RowCompactor:
         self.compactions += 1
 
 
-__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "keep_mask", "remap_group_table"]
+__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "remap_group_table"]

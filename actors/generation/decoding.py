@@ -46,8 +46,6 @@ class GenerationConfig:
     compact_fraction: once the rows still generating are at most this fraction of the decode
     step's rows, the step drops the finished ones (`actors.generation.compaction`; under pp each
     micro-batch on its own); 0 keeps every row to the end. In [0, 1).
-    compact_row_multiple: a compacted step keeps a multiple of this many rows, finished rows
-    filling the rest (`actors.generation.compaction.keep_mask`). >= 1.
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -69,7 +67,6 @@ class GenerationConfig:
     fp8_weights: bool = False
     kv_cache_dtype: str = "auto"
     compact_fraction: float = 0.75
-    compact_row_multiple: int = 1
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -85,8 +82,6 @@ class GenerationConfig:
         if not 0.0 <= self.compact_fraction < 1.0:
             raise ValueError(f"GenerationConfig.compact_fraction={self.compact_fraction}: must be in [0, 1) "
                              "(0 keeps finished rows in the decode step)")
-        if self.compact_row_multiple < 1:
-            raise ValueError(f"GenerationConfig.compact_row_multiple={self.compact_row_multiple}: must be >= 1")
         if self.attend_bucket < 1:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from actors.engine import PackedBatch, ParallelGroups
-from actors.generation.compaction import RowCompactor, keep_mask
+from actors.generation.compaction import RowCompactor
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
     GenerationConfig,
@@ -167,8 +167,7 @@ def _sample_and_reply(out: Tensor, slot: MicroBatchSlot, rnd: int, uniforms: Ten
     if steps_left > 0:
         live = ~recorder.finished[rows]
         live_count = int(live.sum())
-        keep = (keep_mask(~live, slot.compactor.multiple) if slot.compactor.due(live_count, steps_left)
-                else torch.ones_like(live))
+        keep = live if slot.compactor.due(live_count, steps_left) else torch.ones_like(live)
         still = torch.tensor([int(live_count > 0)], dtype=torch.int64, device=out.device)
         messenger.send(torch.cat([next_tokens, still, keep.to(torch.int64)]), groups.pp_global_ranks[0])
 

@@ -10,7 +10,7 @@ import torch
 
 from actors.engine import CacheLayerShape
 from actors.engine.model import Transformer
-from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows, keep_mask, remap_group_table
+from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows, remap_group_table
 from actors.generation.decoding import GenerationConfig, GenerationOutput
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
@@ -111,32 +111,6 @@ def test_compactor_waits_for_the_fraction_and_enough_steps() -> None:
 
 
 @pytest.mark.unit
-def test_keep_mask_fills_with_the_first_finished_rows_up_to_the_multiple() -> None:
-    finished = torch.tensor([True, False, True, False, False, True, True, True])
-    assert keep_mask(finished, 1).tolist() == (~finished).tolist()
-    assert torch.nonzero(keep_mask(finished, 4)).squeeze(1).tolist() == [0, 1, 3, 4]  # 3 live + row 0
-    assert torch.nonzero(keep_mask(finished, 6)).squeeze(1).tolist() == [0, 1, 2, 3, 4, 5]  # + rows 0, 2, 5
-    assert keep_mask(finished, 3).tolist() == (~finished).tolist()  # 3 live: no filler
-    assert keep_mask(finished, 16).all()  # the multiple exceeds the rows: all of them
-    assert keep_mask(torch.zeros(5, dtype=torch.bool), 4).all()
-
-
-@pytest.mark.unit
-def test_compactor_with_a_row_multiple_skips_compactions_that_keep_every_row() -> None:
-    compactor = RowCompactor(20, GenerationConfig(100, compact_fraction=0.75, compact_row_multiple=8))
-    assert compactor.due(15, 99) and compactor.due(9, 99)  # 16 rows kept of 20
-    compactor.n_step_rows = 12
-    assert not compactor.due(9, 99)  # 16 >= 12: nothing would go
-    compactor.n_step_rows = 20
-    finished = torch.ones(20, dtype=torch.bool)
-    finished[[3, 7, 19]] = False
-    keep = compactor.compact(finished, cache_with_rows(20))
-    assert keep.tolist() == [0, 1, 2, 3, 4, 5, 7, 19] and compactor.n_step_rows == 8  # live 3, 7, 19; 5 finished fill
-    with pytest.raises(ValueError, match=r"compact_row_multiple=0: must be >= 1"):
-        GenerationConfig(8, compact_row_multiple=0)
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
 def test_compact_fraction_outside_0_1_is_refused(fraction: float) -> None:
     with pytest.raises(ValueError, match=r"compact_fraction=.*\[0, 1\)"):
@@ -165,19 +139,6 @@ def test_generation_with_compaction_equals_keeping_every_row(shared: bool) -> No
     assert len(set(lengths)) >= 4 and min(lengths) < 60 - MIN_STEPS_LEFT  # rows end at different steps
     assert kept.stats["compactions"] == 0.0 and compacted.stats["compactions"] >= 2.0
     same_rows(compacted, kept)
-
-
-@pytest.mark.unit
-def test_generation_with_filler_rows_equals_keeping_every_row() -> None:
-    """Compacted steps of a multiple of 4 rows (finished rows fill them): the same tokens and
-    logprobs as keeping every row."""
-    model = tiny_model(seed=2)
-    rows = grouped_prompts(4, 4)
-    base = dict(max_new_tokens=60, sampling=SamplingParams(temperature=1.0), seed=11, eos_token_id=EOS)
-    kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))
-    filled = generate(model, rows, GenerationConfig(**base, compact_fraction=0.75, compact_row_multiple=4))
-    assert filled.stats["compactions"] >= 2.0
-    same_rows(filled, kept)
 
 
 @pytest.mark.unit
