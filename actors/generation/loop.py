@@ -157,7 +157,8 @@ class PhaseClock:
     seconds of the first decode step: compile on first use and graph capture), "compact_s" (host
     seconds of the compactions, each from the decision to the return of the smaller step's first
     call, which captures its graph), "sync_wait_s" (host seconds blocked reading the finished
-    flag: the share of the loop the device sets the pace of). One event pair per phase, read once at the end."""
+    flag: the share of the loop the device sets the pace of). One event pair per phase, read
+    once at the end."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
