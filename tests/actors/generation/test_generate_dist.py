@@ -78,11 +78,22 @@ def summary(out: GenerationOutput) -> dict[str, Any]:
             "compactions": out.stats.get("compactions", 0.0)}
 
 
-def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> dict[str, Any]:
-    """Worker: every (family, layout, micro-batches, config) result, keyed by a readable name."""
+def load_rank_shard(path: str, spec: ModelSpec, layout: Layout) -> tuple[Any, Any]:
+    """(process groups, this rank's float32 shard of the checkpoint at `path` in eval mode)."""
     from actors.engine.hf_io import load_hf_checkpoint
     from actors.engine.parallelize import build_model_shard
-    from actors.engine.process_groups import build_parallel_groups, destroy_parallel_groups
+    from actors.engine.process_groups import build_parallel_groups
+
+    groups = build_parallel_groups(layout)
+    coords = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
+    model = build_model_shard(spec, False, layout, coords, groups, "cpu", torch.float32, seed=None)
+    load_hf_checkpoint(path, spec, False, model, groups.tp_rank, layout.tp)
+    return groups, model.eval()
+
+
+def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> dict[str, Any]:
+    """Worker: every (family, layout, micro-batches, config) result, keyed by a readable name."""
+    from actors.engine.process_groups import destroy_parallel_groups
 
     results: dict[str, Any] = {}
     for family, path, eos in cases:
@@ -90,11 +101,7 @@ def generate_under_layouts(rank: int, world_size: int, cases: list[tuple[str, st
         prompts = prompts_for(spec.vocab_size)
         for layout_text, micro_batches in LAYOUTS:
             layout = Layout.parse(layout_text)
-            groups = build_parallel_groups(layout)
-            coords = (groups.dp_rank, groups.tp_rank, groups.pp_rank)
-            model = build_model_shard(spec, False, layout, coords, groups, "cpu", torch.float32, seed=None)
-            load_hf_checkpoint(path, spec, False, model, groups.tp_rank, layout.tp)
-            model.eval()
+            groups, model = load_rank_shard(path, spec, layout)
             for name, config in configs(eos).items():
                 config = GenerationConfig(**{**config.__dict__, "pp_micro_batches": micro_batches})
                 out = generate(model, prompts, config, groups)
@@ -241,17 +248,10 @@ def test_cli_generate_with_tp2_pp2_dp2_layouts(tmp_path: Path) -> None:
 
 def generate_tp2pp2(rank: int, world_size: int, path: str, eos: int) -> dict[str, Any]:
     """Worker (4 ranks): the sampled and compacted configs under tp2pp2, 3 micro-batches."""
-    from actors.engine.hf_io import load_hf_checkpoint
-    from actors.engine.parallelize import build_model_shard
-    from actors.engine.process_groups import build_parallel_groups, destroy_parallel_groups
+    from actors.engine.process_groups import destroy_parallel_groups
 
     spec = ModelSpec.from_hf_config(path)
-    layout = Layout.parse("tp2pp2")
-    groups = build_parallel_groups(layout)
-    model = build_model_shard(spec, False, layout, (groups.dp_rank, groups.tp_rank, groups.pp_rank), groups, "cpu",
-                              torch.float32, seed=None)
-    load_hf_checkpoint(path, spec, False, model, groups.tp_rank, layout.tp)
-    model.eval()
+    groups, model = load_rank_shard(path, spec, Layout.parse("tp2pp2"))
     results = {}
     for name in ("sampled", "compacted"):
         config = GenerationConfig(**{**configs(eos)[name].__dict__, "pp_micro_batches": 3})
