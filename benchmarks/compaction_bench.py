@@ -11,7 +11,9 @@ generation call. Random weights never emit EOS on their own, so the bench plants
 are geometric, mean about --mean-len, cut at the budget. The compute of a step is that of any
 weights of this shape.
 
-For each --fractions value (0: keep every row) one warm-up call, then --reps timed calls; the
+For each --fractions value (0: keep every row), and each --min-row-steps value for a fraction
+above 0 (GenerationConfig.compact_min_row_steps; "auto": the loop's default), one warm-up call,
+then --reps timed calls; the
 table gives the decode seconds (device time, graph captures included), response tokens per
 second, compactions per call and the speed-up over fraction 0. "compact s" is the host time of a
 call's compactions (each from the decision to the smaller step's first call, which captures its
@@ -35,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.model import Transformer  # noqa: E402
+from actors.generation.compaction import RowCompactor  # noqa: E402
 from actors.generation.decoding import GenerationConfig, GenerationOutput  # noqa: E402
 from actors.generation.loop import generate  # noqa: E402
 from actors.generation.sampling import SamplingParams  # noqa: E402
@@ -52,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--mean-len", type=float, default=200.0, help="mean response length the planted EOS aims at")
     parser.add_argument("--fractions", default="0,0.75,0.5", help="GenerationConfig.compact_fraction values")
+    parser.add_argument("--min-row-steps", default="auto",
+                        help="GenerationConfig.compact_min_row_steps values, comma-separated ints or 'auto'")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile-times", action="store_true",
                         help="print torch._dynamo's compile-time breakdown (seconds by phase) before the table")
@@ -67,7 +72,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mean_len <= 1.0:
         raise SystemExit(f"--mean-len {args.mean_len}: must be > 1")
     args.fraction_list = fractions
+    args.min_row_steps_list = [parse_min_row_steps(v) for v in args.min_row_steps.split(",")]
     return args
+
+
+def parse_min_row_steps(value: str) -> int | None:
+    """'auto' -> None (the loop's default), else an int >= 0."""
+    if value.strip() == "auto":
+        return None
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = -1
+    if parsed < 0:
+        raise SystemExit(f"--min-row-steps {value!r}: each an int >= 0 or 'auto'")
+    return parsed
+
+
+def configurations(args: argparse.Namespace) -> list[tuple[float, int | None]]:
+    """(compact_fraction, compact_min_row_steps) of each row: fraction 0 once, the others with each
+    --min-row-steps value."""
+    return [(f, m) for f in args.fraction_list for m in ([None] if f == 0.0 else args.min_row_steps_list)]
 
 
 def timed_call(model: Transformer, prompts: list[torch.Tensor], config: GenerationConfig) -> GenerationOutput:
@@ -95,9 +120,10 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     cuda = device.type == "cuda"
     rows: list[dict[str, float]] = []
     baseline_lengths: list[int] | None = None
-    for fraction in args.fraction_list:
+    for fraction, min_row_steps in configurations(args):
         config = GenerationConfig(args.new_tokens, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
-                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction)
+                                  use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction,
+                                  compact_min_row_steps=min_row_steps)
         began = time.perf_counter()
         timed_call(model, prompts, config)  # compile, autotune, first captures
         if cuda:
@@ -107,14 +133,14 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         lengths = outs[-1].response_lengths.tolist()
         baseline_lengths = lengths if baseline_lengths is None else baseline_lengths
         decode_s = median(o.stats["decode_s"] for o in outs)
-        rows.append({"fraction": fraction, "decode_s": decode_s, "capture_s": median(o.stats["capture_s"] for o in outs),
+        rows.append({"fraction": fraction, "min_row_steps": RowCompactor(1, config).min_row_steps, "decode_s": decode_s, "capture_s": median(o.stats["capture_s"] for o in outs),
                      "compact_s": median(o.stats["compact_s"] for o in outs), "first_call_s": first_call_s,
                      "compactions": outs[-1].stats["compactions"], "mean_len": sum(lengths) / len(lengths),
                      "tokens_per_s": sum(lengths) / decode_s,
                      "same_rows": sum(a == b for a, b in zip(lengths, baseline_lengths))})
         triton_dir = os.environ.get("TRITON_CACHE_DIR")
         built = f", {len(os.listdir(triton_dir))} Triton kernels in its cache" if triton_dir and os.path.isdir(triton_dir) else ""
-        print(f"measured fraction {fraction:g}: decode {decode_s:.3f} s, first call {first_call_s:.1f} s{built}", flush=True)
+        print(f"measured fraction {fraction:g}, min row-steps {rows[-1]['min_row_steps']}: decode {decode_s:.3f} s, first call {first_call_s:.1f} s{built}", flush=True)
     return rows
 
 
@@ -124,10 +150,11 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
     print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
           f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
     base = next(r for r in rows if r["fraction"] == 0.0)
-    print(f"{'compact_fraction':>16} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'compact s':>10} "
+    print(f"{'compact_fraction':>16} {'min row-steps':>14} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'compact s':>10} "
           f"{'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} {'first call s':>13}")
     for r in rows:
-        print(f"{r['fraction']:>16g} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} {r['capture_s']:>10.3f} "
+        min_row_steps = "-" if r["fraction"] == 0.0 else str(r["min_row_steps"])
+        print(f"{r['fraction']:>16g} {min_row_steps:>14} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} {r['capture_s']:>10.3f} "
               f"{r['compact_s']:>10.3f} {r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} "
               f"{base['decode_s'] / r['decode_s']:>8.2f}x {r['same_rows']:>6.0f}/{n_rows} {r['first_call_s']:>13.1f}")
 

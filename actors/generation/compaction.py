@@ -32,9 +32,13 @@ from torch import Tensor
 from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache
 
-# A compaction costs a host sync, the cache rows' copy and a CUDA graph capture (~0.1 s with
-# torch.compile): not worth it for the last few steps of a call.
+# A compaction costs a host sync and the cache rows' copy: not worth it for a call's last steps.
 MIN_STEPS_LEFT = 16
+# With CUDA graphs it also captures the smaller step's graph (~30 ms on an H100 with
+# torch.compile), while a dropped row saves ~5-7 us per decode step it would have run: a
+# compaction must drop at least this many row-steps (rows dropped x steps left, an upper bound
+# on the saving) to pay (docs/benchmarks.md, issue 27, twenty-fourth step).
+MIN_ROW_STEPS_CAPTURED = 4096
 
 
 def keep_cache_rows(cache: HeadMajorKVCache, keep: Tensor) -> None:
@@ -85,6 +89,15 @@ def remap_group_table(table: Tensor, keep: Tensor, n_rows: int) -> Tensor:
     return mapped.gather(1, order)
 
 
+def min_row_steps(config: GenerationConfig) -> int:
+    """The fewest row-steps a compaction must drop: `config.compact_min_row_steps`, or where that
+    is None, MIN_ROW_STEPS_CAPTURED when steps are CUDA graphs (each compaction captures one) and
+    0 otherwise (eager steps: the rows' copy is all it costs)."""
+    if config.compact_min_row_steps is not None:
+        return config.compact_min_row_steps
+    return MIN_ROW_STEPS_CAPTURED if config.use_cuda_graph else 0
+
+
 class RowCompactor:
     """Which global rows the decode step holds (`active`: int64 [n] in step order, None while it
     holds all of them), and when to drop the finished ones (module docstring)."""
@@ -92,15 +105,20 @@ class RowCompactor:
     def __init__(self, n_rows: int, config: GenerationConfig) -> None:
         self.n_step_rows = n_rows
         self.fraction = config.compact_fraction
+        self.min_row_steps = min_row_steps(config)
         self.active: Tensor | None = None
         self.compactions = 0
 
     def due(self, live_rows: int | None, steps_left: int) -> bool:
         """Whether to compact now, with `live_rows` of the call's rows still generating (as last
-        read from the device; None: not known yet) and at most `steps_left` decode steps to go."""
+        read from the device; None: not known yet) and at most `steps_left` decode steps to go:
+        once the live rows are at most the fraction of the step's, with enough steps left, and
+        dropping the others saves at least `min_row_steps` row-steps."""
         if live_rows is None or self.fraction <= 0.0:
             return False
-        return 0 < live_rows <= self.fraction * self.n_step_rows and steps_left >= MIN_STEPS_LEFT
+        dropped_row_steps = (self.n_step_rows - live_rows) * steps_left
+        return (0 < live_rows <= self.fraction * self.n_step_rows and steps_left >= MIN_STEPS_LEFT
+                and dropped_row_steps >= self.min_row_steps)
 
     def compact(self, finished: Tensor, cache: HeadMajorKVCache) -> Tensor | None:
         """Drop the step's finished rows from `cache` (finished: bool [n_rows_total], by global
@@ -122,4 +140,5 @@ class RowCompactor:
         self.compactions += 1
 
 
-__all__ = ["MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "remap_group_table"]
+__all__ = ["MIN_ROW_STEPS_CAPTURED", "MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "min_row_steps",
+           "remap_group_table"]

@@ -36,8 +36,9 @@ class DecodeStep:
     """
 
     def __init__(self, model: nn.Module, cache: HeadMajorKVCache, use_cuda_graph: bool,
-                 compile_model: bool = False) -> None:
+                 compile_model: bool = False, warmups: int = 2) -> None:
         self.model = model
+        self.warmups = warmups  # forward runs before each capture (capture())
         # torch.compile'd forward for decode (same parameters; the wrapper only changes kernels).
         self.forward = torch.compile(model) if compile_model else model
         if compile_model and cache.lengths.device.type == "cuda":
@@ -56,8 +57,9 @@ class DecodeStep:
 
     def for_cache(self, cache: HeadMajorKVCache) -> DecodeStep:
         """The same step over another cache (one with fewer rows: actors.generation.compaction),
-        sharing this step's compiled forward; its graphs are captured afresh."""
-        step = DecodeStep(self.model, cache, self.use_cuda_graph)
+        sharing this step's compiled forward; its graphs are captured afresh, after one warm-up run
+        (the forward's compile and kernel choices are made; the run sizes the new row count)."""
+        step = DecodeStep(self.model, cache, self.use_cuda_graph, warmups=1)
         step.forward = self.forward
         return step
 
@@ -90,9 +92,9 @@ class DecodeStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            # Warm-up runs (lazy buffers, kernel selection); each writes the slot the next real
-            # step overwrites anyway, and the lengths are put back.
-            for _ in range(2):
+            # Warm-up runs (compile, lazy buffers, kernel selection) outside the capture; each
+            # writes the slot the next real step overwrites anyway, and the lengths are put back.
+            for _ in range(self.warmups):
                 self.forward(self.static_input, self.batch, self.cache)
                 self.cache.lengths.copy_(saved_lengths)
         torch.cuda.current_stream().wait_stream(side)

@@ -46,6 +46,9 @@ class GenerationConfig:
     compact_fraction: once the rows still generating are at most this fraction of the decode
     step's rows, the step drops the finished ones (`actors.generation.compaction`; under pp each
     micro-batch on its own); 0 keeps every row to the end. In [0, 1).
+    compact_min_row_steps: a compaction waits until it drops at least this many row-steps (rows
+    dropped x decode steps left); None: 4096 with CUDA graphs (each compaction captures a
+    graph), else 0 (`actors.generation.compaction.min_row_steps`).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -67,6 +70,7 @@ class GenerationConfig:
     fp8_weights: bool = False
     kv_cache_dtype: str = "auto"
     compact_fraction: float = 0.75
+    compact_min_row_steps: int | None = None
     uniform_offset: int = 0
     uniform_total: int | None = None
 
@@ -82,6 +86,9 @@ class GenerationConfig:
         if not 0.0 <= self.compact_fraction < 1.0:
             raise ValueError(f"GenerationConfig.compact_fraction={self.compact_fraction}: must be in [0, 1) "
                              "(0 keeps finished rows in the decode step)")
+        if self.compact_min_row_steps is not None and self.compact_min_row_steps < 0:
+            raise ValueError(f"GenerationConfig.compact_min_row_steps={self.compact_min_row_steps}: must be >= 0 "
+                             "or None (4096 with CUDA graphs, else 0)")
         if self.attend_bucket < 1:
             raise ValueError(f"GenerationConfig.attend_bucket={self.attend_bucket}: must be >= 1")
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:

@@ -10,7 +10,13 @@ import torch
 
 from actors.engine import CacheLayerShape
 from actors.engine.model import Transformer
-from actors.generation.compaction import MIN_STEPS_LEFT, RowCompactor, keep_cache_rows, remap_group_table
+from actors.generation.compaction import (
+    MIN_ROW_STEPS_CAPTURED,
+    MIN_STEPS_LEFT,
+    RowCompactor,
+    keep_cache_rows,
+    remap_group_table,
+)
 from actors.generation.decoding import GenerationConfig, GenerationOutput
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
@@ -111,6 +117,24 @@ def test_compactor_waits_for_the_fraction_and_enough_steps() -> None:
 
 
 @pytest.mark.unit
+def test_compactor_with_graphs_waits_until_enough_row_steps_are_dropped() -> None:
+    """With CUDA graphs a compaction captures a graph: by default it waits until the rows dropped
+    times the steps left reach MIN_ROW_STEPS_CAPTURED; eager steps compact at the fraction alone;
+    an explicit compact_min_row_steps overrides either."""
+    graphs = RowCompactor(512, GenerationConfig(512, use_cuda_graph=True))
+    assert graphs.min_row_steps == MIN_ROW_STEPS_CAPTURED
+    assert graphs.due(384, MIN_ROW_STEPS_CAPTURED // 128)  # 128 rows dropped x 32 steps
+    assert not graphs.due(384, MIN_ROW_STEPS_CAPTURED // 128 - 1)
+    assert graphs.due(256, MIN_ROW_STEPS_CAPTURED // 256)  # more rows finished: fewer steps suffice
+    assert RowCompactor(512, GenerationConfig(512)).due(384, MIN_STEPS_LEFT)  # eager: the fraction alone
+    explicit = GenerationConfig(512, use_cuda_graph=True, compact_min_row_steps=0)
+    assert RowCompactor(512, explicit).due(384, MIN_STEPS_LEFT)
+    assert not RowCompactor(512, GenerationConfig(512, compact_min_row_steps=10_000)).due(384, 60)
+    with pytest.raises(ValueError, match=r"compact_min_row_steps=-1: must be >= 0"):
+        GenerationConfig(8, compact_min_row_steps=-1)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
 def test_compact_fraction_outside_0_1_is_refused(fraction: float) -> None:
     with pytest.raises(ValueError, match=r"compact_fraction=.*\[0, 1\)"):
@@ -184,7 +208,8 @@ def test_cuda_graph_steps_with_compaction_equal_keeping_every_row(compile_decode
     model = tiny_model(seed=2, device="cuda", dtype=torch.bfloat16)
     rows = grouped_prompts(4, 8, device="cuda")
     base = dict(max_new_tokens=60, sampling=SamplingParams(temperature=1.0), seed=11, eos_token_id=EOS,
-                use_cuda_graph=True, compile_decode=compile_decode)
+                use_cuda_graph=True, compile_decode=compile_decode,
+                compact_min_row_steps=0)  # a tiny call: compact whatever a capture costs
     from torch._dynamo.utils import counters
 
     from actors.kernels import decode_attention
