@@ -74,9 +74,23 @@ def check_tokenizers(cfg: ExperimentConfig, specs: dict[str, ModelSpec], worker_
     for role, (field, source) in sources.items():
         if role in specs and source.tokenizer is not None:
             check_tokenizer_dir(f"{field}.tokenizer", source.tokenizer)
+    actor = _check_actor(cfg, sources["actor"], specs["actor"])
+    plan = None
+    for role in ("ref", "critic", "reward"):
+        if role not in specs or sources[role][1] == sources["actor"][1]:
+            continue  # not in this run, or the actor's own model and tokenizer
+        own = _check_reader(cfg, role, sources[role], specs[role], sources["actor"], specs["actor"], actor)
+        if own is not None:  # the reward model reads text: decoded, then its own tokens
+            field, source = sources[role]
+            plan = reward_text_plan(field, source, specs[role], own, worker_tokenizer, eos_token_id, examples)
+    return plan
+
+
+def _check_actor(cfg: ExperimentConfig, actor_role: tuple[str, ModelSource], spec: ModelSpec) -> TokenizerInfo:
+    """data.tokenizer, fingerprinted: the actor's own tokenizer, if it has one, must be it, and
+    the actor's vocabulary must hold its ids. Raises ConfigError."""
     actor = _info("data.tokenizer", cfg.data.tokenizer)
-    actor_field, actor_source = sources["actor"]
-    actor_vocab = specs["actor"].vocab_size
+    actor_field, actor_source = actor_role
     own = model_tokenizer(actor_source)
     if own is not None:
         info = _info(_tokenizer_field(actor_field, actor_source), own)
@@ -85,47 +99,49 @@ def check_tokenizers(cfg: ExperimentConfig, specs: dict[str, ModelSpec], worker_
                               f"the tokenizer of {actor_field}: {info.source} (it encodes the prompts the actor reads)",
                               problem=f"{actor.describe()} is not the tokenizer {actor_field} "
                                       f"({describe(actor_source)}) states: {info.describe()}")
-    if actor.n_ids > actor_vocab:
+    if actor.n_ids > spec.vocab_size:
         raise ConfigError(actor_field, describe(actor_source),
                           f"an actor whose vocabulary holds the {actor.n_ids} ids of data.tokenizer "
-                          f"({cfg.data.tokenizer})", problem=f"a vocabulary of {actor_vocab} ids")
-    plan = None
-    for role in ("ref", "critic", "reward"):
-        if role not in specs:
-            continue
-        field, source = sources[role]
-        if source == actor_source:
-            continue  # the actor's own model and tokenizer
-        spec, own = specs[role], model_tokenizer(source)
-        both = (f"{field} ({describe(source)}, vocabulary {spec.vocab_size}) reads the token ids of "
-                f"{actor_field} ({describe(actor_source)}, vocabulary {actor_vocab}, tokenizer {actor.describe()})")
-        if own is None:
-            if spec.vocab_size == actor_vocab:
-                continue  # no tokenizer of its own: the actor's, as for a preset pair of one family
-            if role == "reward":
-                raise ConfigError(
-                    field, describe(source),
-                    f"{field}.tokenizer naming the reward model's tokenizer (or tokenizer files in its directory): it "
-                    f"then reads the decoded text re-tokenized; or {field}.tokenizer={cfg.data.tokenizer} (data."
-                    "tokenizer) when it was trained on the actor's ids; or a reward model with the actor's vocabulary",
-                    problem=f"no tokenizer to re-tokenize with and a vocabulary of {spec.vocab_size} ids where the "
-                            f"actor's has {actor_vocab}; {both}")
-            raise ConfigError(field, describe(source),
-                              f"a {role} with the actor's tokenizer and vocabulary (or {field}.tokenizer naming its "
-                              "tokenizer, which must be the actor's)",
-                              problem=f"no tokenizer of its own and another vocabulary: {both}")
-        info = _info(_tokenizer_field(field, source), own)
-        if info.same_as(actor):
-            if actor.n_ids > spec.vocab_size:
-                raise ConfigError(field, describe(source), f"a model whose vocabulary holds the {actor.n_ids} ids of "
-                                  f"its tokenizer", problem=f"a vocabulary of {spec.vocab_size} ids; {both}")
-            continue
-        if role != "reward":
-            raise ConfigError(field, describe(source),
-                              f"a {role} with the actor's tokenizer ({actor.describe()}): it reads the actor's token ids",
-                              problem=f"its tokenizer {info.describe()} is not the actor's; {both}")
-        plan = reward_text_plan(field, source, spec, info, worker_tokenizer, eos_token_id, examples)
-    return plan
+                          f"({cfg.data.tokenizer})", problem=f"a vocabulary of {spec.vocab_size} ids")
+    return actor
+
+
+def _check_reader(cfg: ExperimentConfig, role: str, reader: tuple[str, ModelSource], spec: ModelSpec,
+                  actor_role: tuple[str, ModelSource], actor_spec: ModelSpec,
+                  actor: TokenizerInfo) -> TokenizerInfo | None:
+    """Check a model `role` (ref, critic, reward) that reads the actor's ids against the actor
+    (module docstring). Returns the reward model's own tokenizer when it reads text instead, else
+    None. Raises ConfigError."""
+    (field, source), (actor_field, actor_source) = reader, actor_role
+    own, actor_vocab = model_tokenizer(source), actor_spec.vocab_size
+    both = (f"{field} ({describe(source)}, vocabulary {spec.vocab_size}) reads the token ids of "
+            f"{actor_field} ({describe(actor_source)}, vocabulary {actor_vocab}, tokenizer {actor.describe()})")
+    if own is None:
+        if spec.vocab_size == actor_vocab:
+            return None  # no tokenizer of its own: the actor's, as for a preset pair of one family
+        if role == "reward":
+            raise ConfigError(
+                field, describe(source),
+                f"{field}.tokenizer naming the reward model's tokenizer (or tokenizer files in its directory): it "
+                f"then reads the decoded text re-tokenized; or {field}.tokenizer={cfg.data.tokenizer} (data."
+                "tokenizer) when it was trained on the actor's ids; or a reward model with the actor's vocabulary",
+                problem=f"no tokenizer to re-tokenize with and a vocabulary of {spec.vocab_size} ids where the "
+                        f"actor's has {actor_vocab}; {both}")
+        raise ConfigError(field, describe(source),
+                          f"a {role} with the actor's tokenizer and vocabulary (or {field}.tokenizer naming its "
+                          "tokenizer, which must be the actor's)",
+                          problem=f"no tokenizer of its own and another vocabulary: {both}")
+    info = _info(_tokenizer_field(field, source), own)
+    if info.same_as(actor):
+        if actor.n_ids > spec.vocab_size:
+            raise ConfigError(field, describe(source), f"a model whose vocabulary holds the {actor.n_ids} ids of "
+                              f"its tokenizer", problem=f"a vocabulary of {spec.vocab_size} ids; {both}")
+        return None
+    if role != "reward":
+        raise ConfigError(field, describe(source),
+                          f"a {role} with the actor's tokenizer ({actor.describe()}): it reads the actor's token ids",
+                          problem=f"its tokenizer {info.describe()} is not the actor's; {both}")
+    return info
 
 
 def reward_text_plan(field: str, source: ModelSource, spec: ModelSpec, info: TokenizerInfo, worker_tokenizer: str,
