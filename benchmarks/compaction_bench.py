@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.model import Transformer  # noqa: E402
-from actors.generation.compaction import RowCompactor  # noqa: E402
+from actors.generation.compaction import min_row_steps as row_step_bar  # noqa: E402
 from actors.generation.decoding import GenerationConfig, GenerationOutput  # noqa: E402
 from actors.generation.loop import generate  # noqa: E402
 from actors.generation.sampling import SamplingParams  # noqa: E402
@@ -78,15 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def parse_min_row_steps(value: str) -> int | None:
     """'auto' -> None (the loop's default), else an int >= 0."""
-    if value.strip() == "auto":
+    value = value.strip()
+    if value == "auto":
         return None
-    try:
-        parsed = int(value)
-    except ValueError:
-        parsed = -1
-    if parsed < 0:
+    if not value.isdigit():
         raise SystemExit(f"--min-row-steps {value!r}: each an int >= 0 or 'auto'")
-    return parsed
+    return int(value)
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[float, int | None]]:
@@ -133,14 +130,17 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         lengths = outs[-1].response_lengths.tolist()
         baseline_lengths = lengths if baseline_lengths is None else baseline_lengths
         decode_s = median(o.stats["decode_s"] for o in outs)
-        rows.append({"fraction": fraction, "min_row_steps": RowCompactor(1, config).min_row_steps, "decode_s": decode_s, "capture_s": median(o.stats["capture_s"] for o in outs),
+        rows.append({"fraction": fraction, "min_row_steps": row_step_bar(config), "decode_s": decode_s,
+                     "capture_s": median(o.stats["capture_s"] for o in outs),
                      "compact_s": median(o.stats["compact_s"] for o in outs), "first_call_s": first_call_s,
                      "compactions": outs[-1].stats["compactions"], "mean_len": sum(lengths) / len(lengths),
                      "tokens_per_s": sum(lengths) / decode_s,
                      "same_rows": sum(a == b for a, b in zip(lengths, baseline_lengths))})
         triton_dir = os.environ.get("TRITON_CACHE_DIR")
-        built = f", {len(os.listdir(triton_dir))} Triton kernels in its cache" if triton_dir and os.path.isdir(triton_dir) else ""
-        print(f"measured fraction {fraction:g}, min row-steps {rows[-1]['min_row_steps']}: decode {decode_s:.3f} s, first call {first_call_s:.1f} s{built}", flush=True)
+        has_cache = triton_dir is not None and os.path.isdir(triton_dir)
+        built = f", {len(os.listdir(triton_dir))} Triton kernels in its cache" if has_cache else ""
+        print(f"measured fraction {fraction:g}, min row-steps {rows[-1]['min_row_steps']}: decode {decode_s:.3f} s, "
+              f"first call {first_call_s:.1f} s{built}", flush=True)
     return rows
 
 
@@ -150,12 +150,13 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
     print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
           f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
     base = next(r for r in rows if r["fraction"] == 0.0)
-    print(f"{'compact_fraction':>16} {'min row-steps':>14} {'mean len':>9} {'decode s':>9} {'capture s':>10} {'compact s':>10} "
-          f"{'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} {'first call s':>13}")
+    print(f"{'compact_fraction':>16} {'min row-steps':>14} {'mean len':>9} {'decode s':>9} {'capture s':>10} "
+          f"{'compact s':>10} {'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} "
+          f"{'first call s':>13}")
     for r in rows:
         min_row_steps = "-" if r["fraction"] == 0.0 else str(r["min_row_steps"])
-        print(f"{r['fraction']:>16g} {min_row_steps:>14} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} {r['capture_s']:>10.3f} "
-              f"{r['compact_s']:>10.3f} {r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} "
+        print(f"{r['fraction']:>16g} {min_row_steps:>14} {r['mean_len']:>9.1f} {r['decode_s']:>9.3f} "
+              f"{r['capture_s']:>10.3f} {r['compact_s']:>10.3f} {r['tokens_per_s']:>11,.0f} {r['compactions']:>12.0f} "
               f"{base['decode_s'] / r['decode_s']:>8.2f}x {r['same_rows']:>6.0f}/{n_rows} {r['first_call_s']:>13.1f}")
 
 
