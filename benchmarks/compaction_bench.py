@@ -21,6 +21,12 @@ graph); "first call s" the warm-up call's wall time (the first fraction pays the
 ones any recompile for a new row count). Every fraction samples with the
 same seed, so the rows' lengths agree up to bf16 ties (a different row count's GEMMs round
 differently); the table says how many rows agree with fraction 0.
+
+--dynamic-rows (GenerationConfig.compile_dynamic_rows) decides whether a compacting call's first
+compile has the row count symbolic; compare its first-call times in fresh processes with their own
+caches, e.g. `TORCHINDUCTOR_CACHE_DIR=/tmp/ind_off python3 benchmarks/compaction_bench.py
+--fractions 0.75,0 --dynamic-rows off`. Within one process dynamo reuses a compile whose guards
+accept the call: a fraction-0 row after a symbolic compile decodes with that symbolic step.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ from benchmarks.planted_eos import expected_length, plant_eos  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import model_preset  # noqa: E402
 
+# --dynamic-rows -> GenerationConfig.compile_dynamic_rows: "auto" leaves it to the loop, which traces
+# the row count symbolically from the first call where the call may compact.
+DYNAMIC_ROWS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3.2-1b")
@@ -58,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-row-steps", default="auto",
                         help="GenerationConfig.compact_min_row_steps values, comma-separated ints or 'auto'")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dynamic-rows", choices=sorted(DYNAMIC_ROWS), default="auto",
+                        help="GenerationConfig.compile_dynamic_rows for every row (auto: the loop's default)")
     parser.add_argument("--compile-times", action="store_true",
                         help="print torch._dynamo's compile-time breakdown (seconds by phase) before the table")
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU, eager steps")
@@ -120,7 +133,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     for fraction, min_row_steps in configurations(args):
         config = GenerationConfig(args.new_tokens, SamplingParams(temperature=1.0), seed=3, eos_token_id=eos,
                                   use_cuda_graph=cuda, compile_decode=cuda, compact_fraction=fraction,
-                                  compact_min_row_steps=min_row_steps)
+                                  compact_min_row_steps=min_row_steps,
+                                  compile_dynamic_rows=DYNAMIC_ROWS[args.dynamic_rows])
         began = time.perf_counter()
         timed_call(model, prompts, config)  # compile, autotune, first captures
         if cuda:
@@ -148,7 +162,8 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
     where = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     n_rows = args.prompts * args.group
     print(f"\n{args.preset} on {where}: {n_rows} rows ({args.prompts} prompts x {args.group}), {args.prompt_len} "
-          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}")
+          f"prompt tokens, up to {args.new_tokens} new, temperature 1, median of {args.reps}, "
+          f"rows compiled dynamic: {args.dynamic_rows}")
     base = next(r for r in rows if r["fraction"] == 0.0)
     print(f"{'compact_fraction':>16} {'min row-steps':>14} {'mean len':>9} {'decode s':>9} {'capture s':>10} "
           f"{'compact s':>10} {'resp tok/s':>11} {'compactions':>12} {'speed-up':>9} {'same rows':>10} "

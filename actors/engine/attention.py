@@ -296,6 +296,11 @@ class KVCache:
         self.lengths.zero_()
         self.prefilled = False
 
+    def row_tensors(self) -> list[Tensor]:
+        """The tensors with one entry per sequence along dim 0 (K/V buffers, lengths, step
+        increments): what changes size when rows are dropped."""
+        return [*self.k.values(), *self.v.values(), self.lengths, self.step_increment]
+
     def decode_batch(self) -> PackedBatch:
         """Boundaries of a decode step: one token per sequence at position `lengths`."""
         cu = torch.arange(self.n_seqs + 1, dtype=torch.int32, device=self.lengths.device)

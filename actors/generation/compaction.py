@@ -6,8 +6,8 @@ compute-bound, so their time falls with the row count. When responses end at dif
 (the usual case: an EOS-terminated task), the last steps of a call run a few long responses in a
 batch sized for all of them. Each time the live rows fall to `GenerationConfig.compact_fraction`
 of the step's rows, the loop moves the live rows' cache to the front (`keep_cache_rows`) and
-continues with a step over those rows alone (a new CUDA graph; under torch.compile the second
-size recompiles once with the row count symbolic, later sizes reuse it).
+continues with a step over those rows alone (a new CUDA graph; under torch.compile every size
+reuses the first compile, traced with the row count symbolic: `rows_dynamic`).
 
 Nothing a row computes changes: its cache, position, random draws (by its global row,
 `RowCompactor.active`) and recorded outputs are its own. Row-wise results can differ in the last
@@ -98,6 +98,17 @@ def min_row_steps(config: GenerationConfig) -> int:
     return MIN_ROW_STEPS_CAPTURED if config.use_cuda_graph else 0
 
 
+def rows_dynamic(config: GenerationConfig, rows_may_end: bool) -> bool:
+    """Whether the decode step's first compile traces the row count symbolically
+    (`actors.generation.decode_step.mark_rows_dynamic`): `config.compile_dynamic_rows`, or where
+    that is None, when the call may compact: rows can end early (`rows_may_end`: a stop token, or
+    trajectories an environment ends) and compact_fraction > 0. A call that keeps every row keeps
+    the static compile."""
+    if config.compile_dynamic_rows is not None:
+        return config.compile_dynamic_rows
+    return rows_may_end and config.compact_fraction > 0.0
+
+
 class RowCompactor:
     """Which global rows the decode step holds (`active`: int64 [n] in step order, None while it
     holds all of them), and when to drop the finished ones (module docstring)."""
@@ -141,4 +152,4 @@ class RowCompactor:
 
 
 __all__ = ["MIN_ROW_STEPS_CAPTURED", "MIN_STEPS_LEFT", "RowCompactor", "keep_cache_rows", "min_row_steps",
-           "remap_group_table"]
+           "remap_group_table", "rows_dynamic"]

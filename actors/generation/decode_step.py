@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from actors.engine import PackedBatch
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.kernels import sm_count
 
@@ -36,11 +37,14 @@ class DecodeStep:
     """
 
     def __init__(self, model: nn.Module, cache: HeadMajorKVCache, use_cuda_graph: bool,
-                 compile_model: bool = False, warmups: int = 2) -> None:
+                 compile_model: bool = False, warmups: int = 2, dynamic_rows: bool = False) -> None:
         self.model = model
         self.warmups = warmups  # forward runs before each capture (capture())
         # torch.compile'd forward for decode (same parameters; the wrapper only changes kernels).
         self.forward = torch.compile(model) if compile_model else model
+        # With dynamic_rows the first trace already has the row count symbolic: a call that will
+        # drop finished rows (actors.generation.compaction) compiles once instead of twice.
+        self.dynamic_rows = dynamic_rows and compile_model
         if compile_model and cache.lengths.device.type == "cuda":
             sm_count(cache.lengths.device)  # cached now, so the trace reads it (no guard that fails next call)
         self.cache = cache
@@ -54,6 +58,8 @@ class DecodeStep:
             self.static_input = torch.zeros(cache.n_seqs, model.spec.hidden_size, dtype=param.dtype, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # attend_len -> (graph, output)
         self.key: tuple[int, ...] = ()
+        if self.dynamic_rows:
+            mark_rows_dynamic(self.static_input, self.batch, cache)
 
     def for_cache(self, cache: HeadMajorKVCache) -> DecodeStep:
         """The same step over another cache (one with fewer rows: actors.generation.compaction),
@@ -61,6 +67,9 @@ class DecodeStep:
         (the forward's compile and kernel choices are made; the run sizes the new row count)."""
         step = DecodeStep(self.model, cache, self.use_cuda_graph, warmups=1)
         step.forward = self.forward
+        step.dynamic_rows = self.dynamic_rows
+        if step.dynamic_rows:  # as the first step's: a trace of this size is symbolic too
+            mark_rows_dynamic(step.static_input, step.batch, cache)
         return step
 
     def invalidate(self) -> None:
@@ -74,6 +83,8 @@ class DecodeStep:
         if not self.use_cuda_graph:
             if self.cache.qkv is not None:
                 self.cache.qkv.refresh()  # weights moved since the last step: re-concatenate
+            if self.dynamic_rows:
+                torch._dynamo.maybe_mark_dynamic(x, 0)  # eager steps pass their own input
             return self.forward(x, self.batch, self.cache)
         if parameter_key(self.model) != self.key:
             self.invalidate()
@@ -105,4 +116,14 @@ class DecodeStep:
         return graph, output
 
 
-__all__ = ["DecodeStep", "parameter_key"]
+def mark_rows_dynamic(step_input: Tensor, batch: PackedBatch, cache: HeadMajorKVCache) -> None:
+    """Ask torch.compile to trace a decode step's row count symbolically: dim 0 of its input, of
+    its batch's boundaries and positions, and of the cache's per-row tensors. Without it dynamo
+    specialises the first call's row count and, once compaction changes it, recompiles the step
+    with the count symbolic (automatic dynamic shapes): a second full compile. `maybe_mark_dynamic`:
+    where the model needs a concrete count, dynamo specialises instead of failing."""
+    for tensor in (step_input, batch.cu_seqlens, batch.positions, *cache.row_tensors()):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+__all__ = ["DecodeStep", "mark_rows_dynamic", "parameter_key"]

@@ -49,6 +49,10 @@ class GenerationConfig:
     compact_min_row_steps: a compaction waits until it drops at least this many row-steps (rows
     dropped x decode steps left); None: 4096 with CUDA graphs (each compaction captures a
     graph), else 0 (`actors.generation.compaction.min_row_steps`).
+    compile_dynamic_rows: with compile_decode, trace the decode step with its row count symbolic
+    from the first call, so that the smaller steps of compaction reuse that one compile instead
+    of compiling a second time. None: where the call may compact (a stop token or a multi-turn
+    call, and compact_fraction > 0; `actors.generation.compaction.rows_dynamic`).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.
@@ -71,6 +75,7 @@ class GenerationConfig:
     kv_cache_dtype: str = "auto"
     compact_fraction: float = 0.75
     compact_min_row_steps: int | None = None
+    compile_dynamic_rows: bool | None = None
     uniform_offset: int = 0
     uniform_total: int | None = None
 

@@ -179,6 +179,9 @@ class HeadMajorKVCache(KVCache):
         param = next(model.parameters())
         return HeadMajorKVCache(layers, n_seqs, max_len, dtype or param.dtype, device or param.device, kernel)
 
+    def row_tensors(self) -> list[Tensor]:
+        return [*super().row_tensors(), self.rows, self.prefix_rows, self.prefix_lengths]
+
     def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         return self.qkv.weights.get(layer) if self.qkv is not None else None
 
@@ -218,7 +221,7 @@ class HeadMajorKVCache(KVCache):
             # Rows padded to a multiple of 16 slots: CUDA's memory-efficient SDPA needs every
             # stride of the mask aligned and would otherwise pad a copy in every layer.
             padded = -(-self.attend_len // 16) * 16
-            hidden = torch.full((self.n_seqs, 1, 1, padded), float("-inf"), dtype=dtype, device=visible.device)
+            hidden = torch.full((visible.shape[0], 1, 1, padded), float("-inf"), dtype=dtype, device=visible.device)
             mask = hidden[..., : self.attend_len]  # [B, 1, 1, L], broadcast over heads and queries
             mask.masked_fill_(visible[:, None, None, :], 0.0)
             self.step_masks[key] = mask

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from actors.engine import ParallelGroups
-from actors.generation.compaction import RowCompactor
+from actors.generation.compaction import RowCompactor, rows_dynamic
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
     GenerationConfig,
@@ -80,7 +80,8 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     clock.mark("prefill")
     cache.qkv = FusedQKV(model) if config.fuse_qkv else None
     cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
-    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+    decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode,
+                        dynamic_rows=rows_dynamic(config, config.stop_token is not None))
     finished = FinishedFlag(device) if config.stop_token is not None else None
     compactor = RowCompactor(len(prompts), config)
     steps = 0

@@ -46,7 +46,7 @@ from torch.distributed import ProcessGroup
 
 from actors.engine import ParallelGroups, broadcast_from_first
 from actors.generation.cache_extension import CacheExtension, extension_batch
-from actors.generation.compaction import RowCompactor
+from actors.generation.compaction import RowCompactor, rows_dynamic
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
 from actors.generation.fp8_weights import Fp8DecodeWeights
@@ -172,7 +172,8 @@ class _TurnLoop:
         self.source, self.tp_group, self.read_lag = source, tp_group, read_lag
         self.device = logits.device
         n = len(prompt_lengths)
-        self.decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode)
+        self.decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode,
+                                 dynamic_rows=rows_dynamic(config, True))  # environments end trajectories
         self.state = HostTrajectories(prompt_lengths, config, budget)
         self.turns = DeviceTurns(config, n, budget, self.device)
         self.readback = StepReadback(n, self.device, read_lag + 1)

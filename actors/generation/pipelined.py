@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from actors.engine import PackedBatch, ParallelGroups
-from actors.generation.compaction import RowCompactor
+from actors.generation.compaction import RowCompactor, rows_dynamic
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import (
     GenerationConfig,
@@ -185,7 +185,9 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None  # likewise
     for slot in slots:
         slot.cache.qkv, slot.cache.fp8 = fused, fp8
-    decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode) for slot in slots]
+    dynamic_rows = rows_dynamic(config, config.stop_token is not None)
+    decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode, dynamic_rows=dynamic_rows)
+                for slot in slots]
     messenger = PipelineMessenger(groups, model.spec.hidden_size, param.dtype, device)
     recorder = ResponseRecorder(len(prompts), config, device)
     running = [True] * len(slots)

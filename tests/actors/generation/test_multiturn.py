@@ -5,6 +5,7 @@ trajectories. CPU, float32, tiny random Qwen2-shaped models."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -179,6 +180,28 @@ def test_finished_trajectories_leave_the_step_and_change_nothing(delays: list[fl
                                  compacted.response_masks):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         torch.testing.assert_close(a[mask.bool()], fresh[mask.bool()], atol=1e-5, rtol=0)
+
+
+def test_compiled_turns_compile_once_for_every_row_count() -> None:
+    """torch.compile (inductor on CPU): trajectories that end drop out of the step, and the
+    smaller steps reuse the first compile (the row count symbolic from the start,
+    GenerationConfig.compile_dynamic_rows), sampling what the eager steps sample."""
+    from torch._dynamo.utils import counters
+
+    model = ours_from_hf(build_hf("Qwen2", seed=1))
+    prompts = random_prompts(BASE["vocab_size"], [5, 9, 1, 6, 3, 7, 2, 4], seed=5)
+    turns = [1, 5, 2, 6, 1, 3, 6, 2]
+    config = GenerationConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), seed=3, eos_token_id=EOS)
+    eager = generate_turns(model, prompts, config, 60, ScriptedTurns(prompts, turns))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate_turns(model, prompts, dataclasses.replace(config, compile_decode=True), 60,
+                              ScriptedTurns(prompts, turns))
+    assert compiled.stats["compactions"] >= 2
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert [r.tolist() for r in compiled.responses] == [r.tolist() for r in eager.responses]
+    for a, b in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("read_lag", [1, 4])
