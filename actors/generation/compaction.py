@@ -98,15 +98,18 @@ def min_row_steps(config: GenerationConfig) -> int:
     return MIN_ROW_STEPS_CAPTURED if config.use_cuda_graph else 0
 
 
-def rows_dynamic(config: GenerationConfig, rows_may_end: bool) -> bool:
+def rows_dynamic(config: GenerationConfig, rows_may_end: bool, step_row_counts: tuple[int, ...] = ()) -> bool:
     """Whether the decode step's first compile traces the row count symbolically
     (`actors.generation.decode_step.mark_rows_dynamic`): `config.compile_dynamic_rows`, or where
-    that is None, when the call may compact: rows can end early (`rows_may_end`: a stop token, or
-    trajectories an environment ends) and compact_fraction > 0. A call that keeps every row keeps
-    the static compile."""
+    that is None, when the step will see more than one row count: the call may compact (rows can
+    end early, `rows_may_end`: a stop token, or trajectories an environment ends, and
+    compact_fraction > 0), or its steps start at different counts (`step_row_counts`: a pipeline's
+    unequal micro-batches, which share one compiled model). A call whose steps keep one row count
+    keeps the static compile."""
     if config.compile_dynamic_rows is not None:
         return config.compile_dynamic_rows
-    return rows_may_end and config.compact_fraction > 0.0
+    compacts = rows_may_end and config.compact_fraction > 0.0
+    return compacts or len(set(step_row_counts)) > 1
 
 
 class RowCompactor:

@@ -60,6 +60,8 @@ class DecodeStep:
         self.key: tuple[int, ...] = ()
         if self.dynamic_rows:
             mark_rows_dynamic(self.static_input, self.batch, cache)
+        if compile_model:
+            mark_slots_dynamic(cache)
 
     def for_cache(self, cache: HeadMajorKVCache) -> DecodeStep:
         """The same step over another cache (one with fewer rows: actors.generation.compaction),
@@ -70,6 +72,8 @@ class DecodeStep:
         step.dynamic_rows = self.dynamic_rows
         if step.dynamic_rows:  # as the first step's: a trace of this size is symbolic too
             mark_rows_dynamic(step.static_input, step.batch, cache)
+        if step.forward is not step.model:
+            mark_slots_dynamic(cache)
         return step
 
     def invalidate(self) -> None:
@@ -126,4 +130,13 @@ def mark_rows_dynamic(step_input: Tensor, batch: PackedBatch, cache: HeadMajorKV
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
-__all__ = ["DecodeStep", "mark_rows_dynamic", "parameter_key"]
+def mark_slots_dynamic(cache: HeadMajorKVCache) -> None:
+    """Ask torch.compile to trace the cache's slot count (max_len: the call's longest prompt plus
+    its new tokens) symbolically. Two calls of a run rarely share their longest prompt, and pipeline
+    micro-batches of one call rarely do; without it the second such step recompiles (automatic
+    dynamic shapes), a second full compile of the decode step."""
+    for tensor, dim in cache.slot_dims():
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+__all__ = ["DecodeStep", "mark_rows_dynamic", "mark_slots_dynamic", "parameter_key"]

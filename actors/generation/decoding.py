@@ -52,7 +52,8 @@ class GenerationConfig:
     compile_dynamic_rows: with compile_decode, trace the decode step with its row count symbolic
     from the first call, so that the smaller steps of compaction reuse that one compile instead
     of compiling a second time. None: where the call may compact (a stop token or a multi-turn
-    call, and compact_fraction > 0; `actors.generation.compaction.rows_dynamic`).
+    call, and compact_fraction > 0), or where a pipeline's micro-batches hold unequal row counts
+    (`actors.generation.compaction.rows_dynamic`).
     uniform_offset / uniform_total: these prompts are rows [uniform_offset, uniform_offset + B)
     of a batch of uniform_total sequences generated in rounds (None: B, this call alone); each
     sequence draws the random numbers it would draw in one call over the whole batch.

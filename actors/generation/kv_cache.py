@@ -182,6 +182,11 @@ class HeadMajorKVCache(KVCache):
     def row_tensors(self) -> list[Tensor]:
         return [*super().row_tensors(), self.rows, self.prefix_rows, self.prefix_lengths]
 
+    def slot_dims(self) -> list[tuple[Tensor, int]]:
+        """(tensor, dim) of every tensor whose size along dim is max_len: the K/V buffers (dim 2)
+        and the slot numbers. What differs between two calls whose longest prompts differ."""
+        return [*((buffer, 2) for buffer in (*self.k.values(), *self.v.values())), (self.slots, 0)]
+
     def fused_qkv(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         return self.qkv.weights.get(layer) if self.qkv is not None else None
 

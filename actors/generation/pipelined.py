@@ -185,7 +185,8 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None  # likewise
     for slot in slots:
         slot.cache.qkv, slot.cache.fp8 = fused, fp8
-    dynamic_rows = rows_dynamic(config, config.stop_token is not None)
+    dynamic_rows = rows_dynamic(config, config.stop_token is not None,
+                                tuple(slot.compactor.n_step_rows for slot in slots))
     decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode, dynamic_rows=dynamic_rows)
                 for slot in slots]
     messenger = PipelineMessenger(groups, model.spec.hidden_size, param.dtype, device)

@@ -138,14 +138,18 @@ def test_compactor_with_graphs_waits_until_enough_row_steps_are_dropped() -> Non
 
 @pytest.mark.unit
 def test_a_call_that_may_compact_compiles_its_rows_symbolically() -> None:
-    """compile_dynamic_rows None: symbolic rows where rows may end early and compaction is on;
-    an explicit value overrides. The step marks dim 0 of its input, its batch and every per-row
+    """compile_dynamic_rows None: symbolic rows where rows may end early and compaction is on, or
+    where a pipeline's micro-batches start at unequal row counts; an explicit value overrides. The step marks dim 0 of its input, its batch and every per-row
     tensor of the cache (and of a compacted step's cache), never the slot index."""
     assert rows_dynamic(GenerationConfig(8), rows_may_end=True)
     assert not rows_dynamic(GenerationConfig(8), rows_may_end=False)
     assert not rows_dynamic(GenerationConfig(8, compact_fraction=0.0), rows_may_end=True)
     assert rows_dynamic(GenerationConfig(8, compile_dynamic_rows=True), rows_may_end=False)
     assert not rows_dynamic(GenerationConfig(8, compile_dynamic_rows=False), rows_may_end=True)
+    # A pipeline's micro-batches of unequal size share one compiled model: symbolic too.
+    assert rows_dynamic(GenerationConfig(8, compact_fraction=0.0), False, step_row_counts=(4, 3, 3))
+    assert not rows_dynamic(GenerationConfig(8), False, step_row_counts=(3, 3, 3))
+    assert not rows_dynamic(GenerationConfig(8, compile_dynamic_rows=False), False, step_row_counts=(4, 3))
 
     def marked(tensor: torch.Tensor) -> bool:
         return 0 in getattr(tensor, "_dynamo_weak_dynamic_indices", set())
@@ -155,7 +159,7 @@ def test_a_call_that_may_compact_compiles_its_rows_symbolically() -> None:
     step = DecodeStep(model, cache, use_cuda_graph=False, compile_model=True, dynamic_rows=True)
     per_row = [step.static_input, step.batch.cu_seqlens, step.batch.positions, cache.lengths, cache.step_increment,
                cache.rows, cache.prefix_rows, cache.prefix_lengths, *cache.k.values(), *cache.v.values()]
-    assert all(marked(t) for t in per_row) and not marked(cache.slots)
+    assert all(marked(t) for t in per_row) and cache.slots.shape[0] != cache.n_seqs  # slots: their own count
     keep_cache_rows(cache, torch.tensor([0, 2, 5]))
     smaller = step.for_cache(cache)
     assert smaller.dynamic_rows and all(marked(t) for t in (smaller.static_input, cache.lengths, *cache.k.values()))
