@@ -217,6 +217,18 @@ def decode_splits(n_seqs: int, n_kv: int, capacity: int, n_sms: int) -> int:
     return splits
 
 
+def slots_class(slots: int) -> int:
+    """The bit length of a slot count (>= 1), the tuning key's SLOTS_CLASS, found by comparisons
+    only: when a compiled decode step traces the cache's slot count symbolically
+    (actors.generation.decode_step.mark_slots_dynamic) each comparison is a range guard, so one
+    trace serves every count of the class, where `int(slots)` would pin the exact count and
+    recompile the step for each new one."""
+    bits = 1
+    while slots >= 1 << bits:
+        bits += 1
+    return bits
+
+
 def default_splits(n_seqs: int, n_kv: int, capacity: int, device: torch.device) -> int:
     """The split count `gqa_decode_attention` takes on `device` when given neither splits nor
     block_n: `decode_splits` with the GPU's multiprocessor count on CUDA, else 1."""
@@ -285,7 +297,7 @@ def gqa_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tenso
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     group = n_q // n_kv
     meta = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim,
-            "IEEE": q.dtype == torch.float32, "SLOTS_CLASS": int(k_cache.shape[2]).bit_length()}
+            "IEEE": q.dtype == torch.float32, "SLOTS_CLASS": slots_class(k_cache.shape[2])}
     scale, window = head_dim**-0.5, sliding_window or 2**30
     if splits > 1:
         _split_decode(inputs, strides, out, scale, window, splits, block_n, tuned, meta)
@@ -347,7 +359,7 @@ def _split_decode(inputs: tuple[Tensor, ...], strides: tuple[int, ...], out: Ten
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(n_seqs, n_q, splits, head_dim, dtype=torch.float32, device=out.device)
     grid = (n_seqs, n_kv, splits)
-    meta = {**meta, "SLOTS_CLASS": chunk.bit_length()}
+    meta = {**meta, "SLOTS_CLASS": slots_class(chunk)}
     if tuned:
         _gqa_decode_split_tuned[grid](*inputs, m_part, l_part, acc_part, *strides, scale, window, chunk, **meta)
     else:
@@ -385,6 +397,6 @@ def gqa_decode_attention_reference(q: Tensor, k_new: Tensor, v_new: Tensor, k_ca
 
 
 __all__ = [
-    "decode_splits", "default_splits", "gqa_decode_attention", "gqa_decode_attention_reference", "sm_count",
+    "decode_splits", "default_splits", "slots_class", "gqa_decode_attention", "gqa_decode_attention_reference", "sm_count",
     "kernel_supports_head_dim",
 ]

@@ -13,6 +13,7 @@ from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
+from actors.kernels.decode_attention import slots_class
 from planning.models import ModelSpec
 from tests.actors.generation import test_loop_phases as loop_phases
 from tests.actors.generation.test_compaction import SPEC, tiny_model
@@ -43,6 +44,28 @@ def test_a_compiled_step_marks_the_cache_slot_count_dynamic() -> None:
     eager = HeadMajorKVCache.for_model(model, n_seqs=3, max_len=25)
     DecodeStep(model, eager, use_cuda_graph=False)
     assert not any(slot_marked(t, d) for t, d in eager.slot_dims())
+
+
+@pytest.mark.unit
+def test_the_tuning_key_of_a_symbolic_slot_count_guards_its_class_only() -> None:
+    """slots_class is int.bit_length by comparisons: traced over a symbolic count (mark_dynamic
+    raises if anything pins it) it leaves range guards, so 21 and 25 slots share a trace and 40
+    slots (a longer class) traces once more."""
+    from torch._dynamo.utils import counters
+
+    assert [slots_class(n) for n in range(1, 300)] == [n.bit_length() for n in range(1, 300)]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * slots_class(x.shape[0])
+
+    torch._dynamo.reset()
+    counters.clear()
+    for n, bits in ((21, 5), (25, 5), (40, 6)):
+        x = torch.ones(n)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert scaled(x).tolist() == [float(bits)] * n
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 def prompts_up_to(longest: int, device: str) -> list[torch.Tensor]:
