@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 # head_dim 16: the smallest the Triton decode attention takes (the production path on CUDA).
 TRITON_SPEC = ModelSpec(name="decode-compile", family="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
-                        n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_position_embeddings=256)
+                        n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_position_embeddings=1024)
 
 
 def slot_marked(tensor: torch.Tensor, dim: int) -> bool:
@@ -75,22 +75,28 @@ def prompts_up_to(longest: int, device: str) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_calls_with_different_longest_prompts_compile_the_step_once() -> None:
-    """Three calls of CUDA graph + compile whose caches hold 21, 25 and 29 slots (one tuning class
-    of the decode attention, `slots_class`): one graph, where before each call compiled its own
-    (the kernel's tuning key pinned the count), and each call samples the same tokens as the
-    uncompiled graph path (float32: the Triton kernel's IEEE path, so no bf16 rounding flips a
-    sample), logprobs within float32 rounding."""
+@pytest.mark.parametrize("longest", [(5, 9, 13), (500, 510, 520)], ids=["unsplit", "split"])
+def test_calls_with_different_longest_prompts_compile_the_step_once(longest: tuple[int, ...]) -> None:
+    """Three calls of CUDA graph + compile whose caches differ in slots within one tuning class of
+    the decode attention (`slots_class`): 21-29 slots (the unsplit kernel), and 516-536 (4 rows
+    x 2 KV heads over >= 512 slots: the split-K kernel, whose chunk follows the symbolic count).
+    One graph, where before each call compiled its own (the kernel's tuning key pinned the count),
+    and each call samples the same tokens as the uncompiled graph path (float32: the Triton
+    kernel's IEEE path, so no bf16 rounding flips a sample), logprobs within float32 rounding."""
     from torch._dynamo.utils import counters
+
+    from actors.kernels.decode_attention import default_splits
 
     model = loop_phases.tiny_model(2, "cuda", torch.float32, TRITON_SPEC)
     base = dict(max_new_tokens=16, sampling=SamplingParams(temperature=1.0), seed=5, use_cuda_graph=True)
+    splits = {default_splits(4, TRITON_SPEC.n_kv_heads, n + 16, torch.device("cuda")) for n in longest}
+    assert len(splits) == 1 and (splits.pop() > 1) == (longest[0] >= 500)
     torch._dynamo.reset()
     counters.clear()
-    for longest in (5, 9, 13):
-        prompts = prompts_up_to(longest, "cuda")
+    for n in longest:
+        prompts = prompts_up_to(n, "cuda")
         compiled = generate(model, prompts, GenerationConfig(**base, compile_decode=True))
         plain = generate(model, prompts, GenerationConfig(**base))
-        assert [r.tolist() for r in compiled.responses()] == [r.tolist() for r in plain.responses()], longest
+        assert [r.tolist() for r in compiled.responses()] == [r.tolist() for r in plain.responses()], n
         torch.testing.assert_close(compiled.logprobs, plain.logprobs, rtol=0, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
