@@ -160,7 +160,8 @@ def case_inputs(case: tuple[int, int, int, int, int], args: argparse.Namespace, 
 
 def measure_case(case: tuple[int, int, int, int, int], args: argparse.Namespace, device: torch.device) -> list[Row]:
     """Every split count of one case: error against the reference, then the time per call."""
-    from actors.kernels.decode_attention import decode_splits, gqa_decode_attention
+    from actors.kernels.decode_attention import gqa_decode_attention
+    from actors.kernels.decode_launch import decode_splits
 
     n_seqs, n_kv, _, _, length = case
     inputs = case_inputs(case, args, device)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from actors.kernels.decode_attention import kernel_supports_head_dim
+from actors.kernels.decode_launch import kernel_supports_head_dim
 from actors.kernels.switch import triton_installed
 
 if triton_installed():

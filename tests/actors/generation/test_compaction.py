@@ -245,9 +245,9 @@ def test_cuda_graph_steps_with_compaction_equal_keeping_every_row(compile_decode
                 compact_min_row_steps=0)  # a tiny call: compact whatever a capture costs
     from torch._dynamo.utils import counters
 
-    from actors.kernels import decode_attention
+    from actors.kernels import decode_launch
 
-    decode_attention._SM_COUNTS.clear()  # as in a fresh process: the first step's trace must not fill it
+    decode_launch._SM_COUNTS.clear()  # as in a fresh process: the first step's trace must not fill it
     torch._dynamo.reset()
     counters.clear()
     kept = generate(model, rows, GenerationConfig(**base, compact_fraction=0.0))

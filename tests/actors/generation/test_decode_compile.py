@@ -13,7 +13,7 @@ from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
-from actors.kernels.decode_attention import slots_class
+from actors.kernels.decode_launch import default_splits, slots_class
 from planning.models import ModelSpec
 from tests.actors.generation import test_loop_phases as loop_phases
 from tests.actors.generation.test_compaction import SPEC, tiny_model
@@ -84,8 +84,6 @@ def test_calls_with_different_longest_prompts_compile_the_step_once(longest: tup
     and each call samples the same tokens as the uncompiled graph path (float32: the Triton
     kernel's IEEE path, so no bf16 rounding flips a sample), logprobs within float32 rounding."""
     from torch._dynamo.utils import counters
-
-    from actors.kernels.decode_attention import default_splits
 
     model = loop_phases.tiny_model(2, "cuda", torch.float32, TRITON_SPEC)
     base = dict(max_new_tokens=16, sampling=SamplingParams(temperature=1.0), seed=5, use_cuda_graph=True)

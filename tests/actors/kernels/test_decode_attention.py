@@ -16,11 +16,8 @@ from actors.generation.decoding import GenerationConfig
 from actors.generation.kv_cache import HeadMajorKVCache, resolve_decode_kernel
 from actors.generation.loop import generate
 from actors.generation.sampling import SamplingParams
-from actors.kernels.decode_attention import (
-    decode_splits,
-    gqa_decode_attention,
-    gqa_decode_attention_reference,
-)
+from actors.kernels.decode_attention import gqa_decode_attention, gqa_decode_attention_reference
+from actors.kernels.decode_launch import decode_splits
 from actors.kernels.switch import E4M3_MIN_CAPABILITY, triton_runs
 from planning.models import ModelSpec
 
