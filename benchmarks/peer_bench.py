@@ -160,6 +160,8 @@ def run_ours(config: Path, overrides: list[str], run_dir: Path, work: Work, micr
     phase_keys = sorted({k for r in timed for k in r if k.startswith("gen/") and k.endswith("_s")})
     result.phases = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in phase_keys}
     result.gc_s, result.compile_s = per_call_mean("timing_gc_s"), per_call_mean("timing_compile_s")
+    result.gc_before_s = {name: max(r.get(f"timing_gc_before_s/{name}") or 0.0 for r in timed) for name in calls}
+    result.other_s = [r["timing_s/iteration"] - sum(r.get(f"timing_s/{name}") or 0.0 for name in calls) for r in timed]
     result.settings = (f"calls {', '.join(calls)}; plan {cfg.plan.mode}; actor micro-batches "
                        f"{micro_batches or 'from the plan'}; old logprobs from the training forward; "
                        f"sampling.compile={cfg.sampling.compile}, fp8={cfg.sampling.fp8}, "
@@ -202,6 +204,10 @@ def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSp
             lines.append(f"{r.name} garbage collection / compiling inside the calls (s): "
                          + " | ".join(f"{name} {v:.3f} / {r.compile_s.get(name, 0.0):.3f}"
                                       for name, v in r.gc_s.items()))
+        if r.other_s:
+            lines.append(f"{r.name} other (step minus its calls) per timed step (s): "
+                         + ", ".join(f"{v:.2f}" for v in r.other_s) + "; garbage collection before each call, "
+                         "largest: " + " | ".join(f"{name} {v:.3f}" for name, v in r.gc_before_s.items()))
     if floor_spec is not None:
         ours = {r.name: r.seconds_per_step for r in results if r.name.startswith("realray") and not r.error}
         lines += floor_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, ours, hardware)

@@ -46,6 +46,8 @@ class SideResult:
     phases: dict[str, float] = field(default_factory=dict)  # e.g. gen/decode_s, mean of the timed steps
     gc_s: dict[str, float] = field(default_factory=dict)  # per call: garbage collection, mean
     compile_s: dict[str, float] = field(default_factory=dict)  # per call: torch.compile compiling, mean
+    gc_before_s: dict[str, float] = field(default_factory=dict)  # per call: collections since the last call, max
+    other_s: list[float] = field(default_factory=list)  # per timed step: the step minus its calls
     settings: str = ""
     error: str | None = None
 

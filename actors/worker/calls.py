@@ -283,23 +283,25 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
     """Run an op and add wall-clock start/end (seconds since the epoch), this rank's peak memory
     during it (`peak_allocated_bytes` / `peak_reserved_bytes`, None on CPU) and, with a pause
     clock, what stalled the host in it (`gc_s`, `gc_full`, `compiles`, `compile_s`:
-    actors.worker.host_pauses; None without) to its meta."""
+    actors.worker.host_pauses; None without) and the garbage collection since the worker's
+    previous call ended (`gc_before_s`; None without a clock or before the first call) to its meta."""
     probe = memory if memory is not None else NoMemoryProbe()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     probe.reset()
-    paused_before = pauses.reading() if pauses is not None else None
+    paused_before, gc_before_s = pauses.call_started() if pauses is not None else (None, None)
     start = time.time()
     meta, data = fn(ctx, inputs)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     end = time.time()
     peak = probe.peak()
-    paused = (asdict(pauses.reading().since(paused_before)) if pauses is not None and paused_before is not None
+    paused = (asdict(pauses.call_ended(paused_before)) if pauses is not None and paused_before is not None
               else dict.fromkeys(HOST_PAUSE_KEYS))
     return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
             "seconds": end - start, "peak_allocated_bytes": peak.allocated_bytes if peak else None,
-            "peak_reserved_bytes": peak.reserved_bytes if peak else None, **paused, **meta}, data
+            "peak_reserved_bytes": peak.reserved_bytes if peak else None, **paused, "gc_before_s": gc_before_s,
+            **meta}, data
 
 
 __all__ = [

@@ -15,8 +15,10 @@ things can stall that host for whole seconds at moments no call chooses:
 (`torch._dynamo.utils.counters["stats"]["unique_graphs"]`, which fullgraph compiles bump too where
 `frames.ok` stays 0, and the `_compile.compile_inner` durations; both private, so a torch without
 them reads as no compiles). `actors.worker.calls.timed` reads it around each call: its metadata
-carries `HOST_PAUSE_KEYS` (`gc_s`, `gc_full`, `compiles`, `compile_s`), and the timeline
-`timing_gc_s/<call>` and `timing_compile_s/<call>`.
+carries `HOST_PAUSE_KEYS` (`gc_s`, `gc_full`, `compiles`, `compile_s`) and `gc_before_s`, the
+collections in the worker between the end of its previous call and the start of this one (a gap
+between calls that no call's own time shows), and the timeline `timing_gc_s/<call>`,
+`timing_gc_before_s/<call>` and `timing_compile_s/<call>`.
 
 Measured on an H200 (docs/benchmarks.md, issue 27 tenth step): garbage collection took 1-16 ms
 per call after warm-up in a 0.5B GRPO run, seconds only while the first generation compiled. A
@@ -72,6 +74,7 @@ class HostPauseClock:
         self._gc_s = 0.0
         self._gc_full = 0
         self._started: float | None = None
+        self._last_call_end: HostPauses | None = None  # the reading when the latest call ended
 
     def install(self) -> HostPauseClock:
         if self._on_gc not in gc.callbacks:
@@ -85,6 +88,20 @@ class HostPauseClock:
     def reading(self) -> HostPauses:
         compiles, compile_s = compile_totals()
         return HostPauses(self._gc_s, self._gc_full, compiles, compile_s)
+
+    def call_started(self) -> tuple[HostPauses, float | None]:
+        """(the reading now, seconds of garbage collection since the latest call ended: None
+        before the first call). Calls that overlap (a host op beside a GPU call) share the clock:
+        the latest end is the one that counts."""
+        now = self.reading()
+        before = None if self._last_call_end is None else now.gc_s - self._last_call_end.gc_s
+        return now, before
+
+    def call_ended(self, started: HostPauses) -> HostPauses:
+        """The pauses since `started` (call_started's reading); marks this moment as the latest
+        call's end."""
+        self._last_call_end = self.reading()
+        return self._last_call_end.since(started)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         # gc calls back with phase "start" before and "stop" after each collection, in the thread

@@ -17,8 +17,9 @@ them to `<run_dir>/timeline.jsonl`, and derives:
   plan's estimate of the fullest GPU during the call, and `timing_est_s/<call>`
   (`fidelity_metrics`), and `timing_gc_s/<call>` / `timing_compile_s/<call>`: the longest time
   Python's garbage collector / torch.compile held one of the call's ranks during it
-  (actors.worker.host_pauses); `memory_overruns` names the calls whose measured peak exceeds the
-  estimate by more than a margin.
+  (actors.worker.host_pauses), `timing_gc_before_s/<call>` the longest collection on one of its
+  ranks between that rank's previous call and this one; `memory_overruns` names the calls whose
+  measured peak exceeds the estimate by more than a margin.
 
 Call records carry the estimate of the plan they ran under (`call_estimates`: seconds and the
 peak bytes per GPU while the call runs) next to what was measured. `write_gantt` draws measured
@@ -63,6 +64,7 @@ class TimelineRecord:
     est_peak_bytes: float | None = None
     gc_s: float | None = None  # Python garbage collection during the call (actors.worker.host_pauses)
     compile_s: float | None = None  # torch.compile compiling during the call (same)
+    gc_before_s: float | None = None  # garbage collection between the rank's previous call and this one
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def records_of(iteration: int, name: str, kind: str, ranks: Sequence[int], metas
                 iteration, name, kind, rank, float(meta["start"]), float(meta["end"]),
                 _int_or_none(meta.get("peak_allocated_bytes")), _int_or_none(meta.get("peak_reserved_bytes")),
                 estimate.seconds if estimate else None, estimate.peak_bytes if estimate else None,
-                _float_or_none(meta.get("gc_s")), _float_or_none(meta.get("compile_s"))))
+                _float_or_none(meta.get("gc_s")), _float_or_none(meta.get("compile_s")),
+                _float_or_none(meta.get("gc_before_s"))))
     return out
 
 
@@ -115,7 +118,8 @@ def _finite_or_none(value: float) -> float | None:
 
 def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
     """Per call: memory/<call>_peak_gib, memory/<call>_reserved_gib (largest over its ranks; nan,
-    i.e. null, where unmeasured), memory/<call>_est_gib, timing_est_s/<call>, timing_gc_s/<call> and timing_compile_s/<call>."""
+    i.e. null, where unmeasured), memory/<call>_est_gib, timing_est_s/<call>, timing_gc_s/<call>,
+    timing_gc_before_s/<call> and timing_compile_s/<call>."""
     metrics: dict[str, float] = {}
     for name, items in _calls_by_name(records).items():
         allocated = [r.peak_allocated_bytes for r in items if r.peak_allocated_bytes is not None]
@@ -126,7 +130,9 @@ def fidelity_metrics(records: Sequence[TimelineRecord]) -> dict[str, float]:
             metrics[f"memory/{name}_est_gib"] = items[0].est_peak_bytes / GiB
         if items[0].est_s is not None:
             metrics[f"timing_est_s/{name}"] = items[0].est_s
-        for key, values in (("gc", [r.gc_s for r in items]), ("compile", [r.compile_s for r in items])):
+        pauses = (("gc", [r.gc_s for r in items]), ("gc_before", [r.gc_before_s for r in items]),
+                  ("compile", [r.compile_s for r in items]))
+        for key, values in pauses:
             measured = [v for v in values if v is not None]
             if measured:
                 metrics[f"timing_{key}_s/{name}"] = max(measured)

@@ -73,6 +73,11 @@ def test_tiny_mode_measures_ours_and_trl_where_installed(ray_session: None, tmp_
     trl = by_name["TRL"]
     table = capsys.readouterr().out
     assert "realray GRPO" in table and "actor_train" in table
+    # The step's time outside its calls, per timed step, and the collections before each call.
+    assert len(ours["other_s"]) == 1 and ours["other_s"][0] == pytest.approx(
+        ours["step_s"][0] - sum(ours["calls"].values()), abs=1e-6)
+    assert set(ours["gc_before_s"]) == set(ours["calls"]) and all(v >= 0.0 for v in ours["gc_before_s"].values())
+    assert "other (step minus its calls) per timed step" in table
     if importlib.util.find_spec("trl") is None:
         assert "not importable" in trl["error"]
         return

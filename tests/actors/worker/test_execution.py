@@ -152,7 +152,10 @@ def test_each_call_reports_what_stalled_its_host() -> None:
     worker = _worker()
     try:
         meta, _ = _generate(worker, None)
-        assert meta["gc_s"] >= 0.0 and meta["gc_full"] >= 0
+        assert meta["gc_s"] >= 0.0 and meta["gc_full"] >= 0 and meta["gc_before_s"] is None  # the first call
+        gc.collect()  # between calls: the next call's gc_before_s
+        second, _ = _generate(worker, None)
+        assert second["gc_before_s"] > 0.0
         assert meta["compiles"] == 0 and meta["compile_s"] == 0.0  # the CPU path compiles nothing
         before = worker.host_pauses.reading()
         gc.collect()  # a collection during a call is counted in its gc_s: the clock sees every one

@@ -39,6 +39,26 @@ def test_the_clock_counts_full_collections_and_their_time() -> None:
     assert clock._on_gc not in gc.callbacks
 
 
+def test_the_clock_counts_collections_between_calls() -> None:
+    clock = HostPauseClock().install()
+    try:
+        started, before = clock.call_started()
+        assert before is None  # no call has ended yet
+        during = clock.call_ended(started)
+        assert during.gc_full == 0 and during.gc_s >= 0.0
+        _cycles(1000)
+        gc.collect()  # between the two calls
+        started, before = clock.call_started()
+        gc.collect()  # inside the second call: not in its gc_before_s
+        inside = clock.call_ended(started)
+        _, after_second = clock.call_started()  # right after the second call ended
+    finally:
+        clock.uninstall()
+    assert before is not None and before > 0.0
+    assert inside.gc_full == 1 and inside.gc_s > 0.0
+    assert after_second is not None and after_second < inside.gc_s  # counted from the latest end
+
+
 def test_the_clock_counts_compiles_and_recompiles() -> None:
     clock = HostPauseClock()
 

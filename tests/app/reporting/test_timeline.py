@@ -31,9 +31,9 @@ pytestmark = pytest.mark.unit
 
 def test_records_carry_peaks_and_estimates_and_round_trip(tmp_path: Path) -> None:
     metas = [{"start": 1.0, "end": 2.0, "peak_allocated_bytes": 3 * GiB, "peak_reserved_bytes": 4 * GiB, "gc_s": 0.25,
-              "compile_s": 1.5},
+              "compile_s": 1.5, "gc_before_s": 0.5},
              {"start": 1.1, "end": 2.5, "peak_allocated_bytes": 5 * GiB, "peak_reserved_bytes": 6 * GiB, "gc_s": 0.0,
-              "compile_s": None}]
+              "compile_s": None, "gc_before_s": 0.75}]
     records = records_of(0, "actor_train", "call", [0, 1], metas, CallEstimate(1.2, 4 * GiB))
     cpu = records_of(0, "ref_inf", "call", [0], [{"start": 0.0, "end": 0.5, "peak_allocated_bytes": None}])
     path = tmp_path / "timeline.jsonl"
@@ -45,6 +45,7 @@ def test_records_carry_peaks_and_estimates_and_round_trip(tmp_path: Path) -> Non
     assert math.isnan(metrics["memory/ref_inf_peak_gib"])  # CPU: null in metrics.jsonl
     assert metrics["timing_gc_s/actor_train"] == 0.25 and "timing_gc_s/ref_inf" not in metrics  # not measured there
     assert metrics["timing_compile_s/actor_train"] == 1.5 and records[1].compile_s is None
+    assert metrics["timing_gc_before_s/actor_train"] == 0.75 and "timing_gc_before_s/ref_inf" not in metrics
     warnings = memory_overruns(records, margin=0.1)
     assert len(warnings) == 1 and warnings[0].startswith("call actor_train (iteration 0): measured peak 5 GiB on rank 1")
     assert "estimate 4 GiB" in warnings[0] and memory_overruns(records, margin=0.5) == []
