@@ -137,6 +137,14 @@ class FusedQKV:
         return True
 
 
+def decode_weight_copies(model: nn.Module, fuse_qkv: bool, fp8_weights: bool
+                         ) -> tuple[FusedQKV | None, Fp8DecodeWeights | None]:
+    """The weight copies a call's decode steps read instead of the model's own (a cache's `qkv`
+    and `fp8`): the fused [q; k; v] projections, the FP8 MLP and head weights; None where not
+    asked for. Made after prefill, which reads the model's own weights."""
+    return FusedQKV(model) if fuse_qkv else None, Fp8DecodeWeights(model) if fp8_weights else None
+
+
 class HeadMajorKVCache(KVCache):
     """k[layer], v[layer]: [n_seqs, n_kv_local, max_len, head_dim]; lengths int64 [n_seqs]."""
 
@@ -303,4 +311,4 @@ class HeadMajorKVCache(KVCache):
         return out.reshape(n_seqs, n_q, head_dim)
 
 
-__all__ = ["DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "resolve_decode_kernel"]
+__all__ = ["DECODE_KERNELS", "FusedQKV", "HeadMajorKVCache", "decode_weight_copies", "resolve_decode_kernel"]

@@ -52,8 +52,7 @@ from actors.generation.decoding import (
     attend_length,
     prepare_cache,
 )
-from actors.generation.fp8_weights import Fp8DecodeWeights
-from actors.generation.kv_cache import FusedQKV
+from actors.generation.kv_cache import decode_weight_copies
 from actors.generation.pipelined import generate_pipelined
 from actors.generation.prefill import prefill
 from actors.generation.sampling import sample_tensor_parallel
@@ -78,8 +77,7 @@ def generate(model: nn.Module, prompts: list[Tensor], config: GenerationConfig,
     recorder = ResponseRecorder(len(prompts), config, device)
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
     clock.mark("prefill")
-    cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
+    cache.qkv, cache.fp8 = decode_weight_copies(model, config.fuse_qkv, config.fp8_weights)
     decode = DecodeStep(model, cache, config.use_cuda_graph, config.compile_decode,
                         dynamic_rows=rows_dynamic(config, config.stop_token is not None))
     finished = FinishedFlag(device) if config.stop_token is not None else None

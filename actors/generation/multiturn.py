@@ -49,8 +49,7 @@ from actors.generation.cache_extension import CacheExtension, extension_batch
 from actors.generation.compaction import RowCompactor, rows_dynamic
 from actors.generation.decode_step import DecodeStep
 from actors.generation.decoding import GenerationConfig, attend_length, prepare_cache
-from actors.generation.fp8_weights import Fp8DecodeWeights
-from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
+from actors.generation.kv_cache import HeadMajorKVCache, decode_weight_copies
 from actors.generation.prefill import prefill
 from actors.generation.sampling import SamplingParams, sample_tensor_parallel
 from actors.generation.turn_state import DeviceTurns, HostTrajectories, StepReadback
@@ -146,8 +145,7 @@ def generate_turns(model: nn.Module, prompts: list[Tensor], config: GenerationCo
     sizing = dataclasses.replace(config, max_new_tokens=budget + 1)
     prompt_tokens, batch, cache = prepare_cache(model, prompts, sizing, device)
     logits = prefill(model, prompts, prompt_tokens, batch, cache)  # [B, V_local]; each distinct prompt once
-    cache.qkv = FusedQKV(model) if config.fuse_qkv else None
-    cache.fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None
+    cache.qkv, cache.fp8 = decode_weight_copies(model, config.fuse_qkv, config.fp8_weights)
     loop = _TurnLoop(model, cache, logits, config, budget, source, tp_group, read_lag,
                      [p.numel() for p in prompts])
     stats = loop.run()

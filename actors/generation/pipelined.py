@@ -44,8 +44,7 @@ from actors.generation.decoding import (
     attend_length,
     prepare_cache,
 )
-from actors.generation.fp8_weights import Fp8DecodeWeights
-from actors.generation.kv_cache import FusedQKV, HeadMajorKVCache
+from actors.generation.kv_cache import HeadMajorKVCache, decode_weight_copies
 from actors.generation.sampling import sample_tensor_parallel
 
 
@@ -181,10 +180,9 @@ def generate_pipelined(model: nn.Module, prompts: list[Tensor], config: Generati
     param = next(model.parameters())
     device = param.device
     slots = _build_slots(model, prompts, config, config.pp_micro_batches or groups.layout.pp, device)
-    fused = FusedQKV(model) if config.fuse_qkv else None  # one copy shared by every slot's cache
-    fp8 = Fp8DecodeWeights(model) if config.fp8_weights else None  # likewise
+    copies = decode_weight_copies(model, config.fuse_qkv, config.fp8_weights)  # shared by every slot's cache
     for slot in slots:
-        slot.cache.qkv, slot.cache.fp8 = fused, fp8
+        slot.cache.qkv, slot.cache.fp8 = copies
     dynamic_rows = rows_dynamic(config, config.stop_token is not None,
                                 tuple(slot.compactor.n_step_rows for slot in slots))
     decoders = [DecodeStep(model, slot.cache, config.use_cuda_graph, config.compile_decode, dynamic_rows=dynamic_rows)
