@@ -30,11 +30,12 @@ from actors.generation.decoding import GenerationConfig  # noqa: E402
 from actors.generation.loop import generate  # noqa: E402
 from actors.generation.sampling import SamplingParams  # noqa: E402
 from benchmarks.generate_bench import build_random_model  # noqa: E402
+from benchmarks.tables import markdown_table  # noqa: E402
 from planning.layout import Layout  # noqa: E402
 from planning.models import ModelSpec, model_preset  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3.2-1b", help="model preset (planning.models)")
     parser.add_argument("--prompts", type=int, default=64)
@@ -43,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--cpu", action="store_true", help="run on CPU (float32, no CUDA graph)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of width 64 (with --cpu)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         args.longest = [int(n) for n in args.longest.split(",")]
     except ValueError:
@@ -63,8 +64,8 @@ def call_prompts(n_prompts: int, group: int, longest: int, vocab: int, seed: int
     return [prompt for prompt in distinct for _ in range(group)]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device("cpu" if args.cpu else "cuda")
     spec = model_preset(args.model)
     if args.tiny:
@@ -88,10 +89,9 @@ def main() -> None:
         rows.append((call + 1, longest, longest + args.new_tokens, time.perf_counter() - start,
                      counters["stats"]["unique_graphs"]))
     print(f"\n{spec.name}: {args.prompts} x {args.group} rows, {args.new_tokens} new tokens, graph + compile")
-    print("| call | longest prompt | cache slots | wall s | graphs compiled so far |")
-    print("|---|---|---|---|---|")
-    for call, longest, slots, seconds, graphs in rows:
-        print(f"| {call} | {longest} | {slots} | {seconds:.2f} | {graphs} |")
+    print(markdown_table(("call", "longest prompt", "cache slots", "wall s", "graphs compiled so far"),
+                         [(str(call), str(longest), str(slots), f"{seconds:.2f}", str(graphs))
+                          for call, longest, slots, seconds, graphs in rows]))
 
 
 if __name__ == "__main__":

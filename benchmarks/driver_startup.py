@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.cli.train import DEFAULT_CONFIG  # noqa: E402
 from app.config import load_config  # noqa: E402
 from app.run.driver import Driver  # noqa: E402
+from benchmarks.tables import markdown_table  # noqa: E402
 from tests.ray_fixtures import start_shared_ray  # noqa: E402
 
 
@@ -54,10 +55,9 @@ def main() -> None:
             driver.run()
             rows.append((run, setup, cumulative_s(profile, "start_workers"), cumulative_s(profile, "load_models"),
                          time.perf_counter() - started))
-    print("| run | Driver() s | start_workers s | load_models s | run() of 2 iterations s |")
-    print("|---|---|---|---|---|")
-    for run, setup, workers, models, ran in rows:
-        print(f"| {run} | {setup:.1f} | {workers:.1f} | {models:.1f} | {ran:.1f} |")
+    print(markdown_table(("run", "Driver() s", "start_workers s", "load_models s", "run() of 2 iterations s"),
+                         [(str(run), *(f"{v:.1f}" for v in (setup, workers, models, ran)))
+                          for run, setup, workers, models, ran in rows]))
 
 
 if __name__ == "__main__":
