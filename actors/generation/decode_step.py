@@ -58,10 +58,16 @@ class DecodeStep:
             self.static_input = torch.zeros(cache.n_seqs, model.spec.hidden_size, dtype=param.dtype, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # attend_len -> (graph, output)
         self.key: tuple[int, ...] = ()
+        self._mark_dynamic()
+
+    def _mark_dynamic(self) -> None:
+        """Under torch.compile, mark what the trace keeps symbolic: the cache's slot count always,
+        the row count with dynamic_rows (a for_cache step: as its first step's trace)."""
+        if self.forward is self.model:
+            return
         if self.dynamic_rows:
-            mark_rows_dynamic(self.static_input, self.batch, cache)
-        if compile_model:
-            mark_slots_dynamic(cache)
+            mark_rows_dynamic(self.static_input, self.batch, self.cache)
+        mark_slots_dynamic(self.cache)
 
     def for_cache(self, cache: HeadMajorKVCache) -> DecodeStep:
         """The same step over another cache (one with fewer rows: actors.generation.compaction),
@@ -70,10 +76,7 @@ class DecodeStep:
         step = DecodeStep(self.model, cache, self.use_cuda_graph, warmups=1)
         step.forward = self.forward
         step.dynamic_rows = self.dynamic_rows
-        if step.dynamic_rows:  # as the first step's: a trace of this size is symbolic too
-            mark_rows_dynamic(step.static_input, step.batch, cache)
-        if step.forward is not step.model:
-            mark_slots_dynamic(cache)
+        step._mark_dynamic()
         return step
 
     def invalidate(self) -> None:
