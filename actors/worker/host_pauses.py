@@ -22,7 +22,16 @@ between calls that no call's own time shows), and the timeline `timing_gc_s/<cal
 
 Measured on an H200 (docs/benchmarks.md, issue 27 tenth step): garbage collection took 1-16 ms
 per call after warm-up in a 0.5B GRPO run, seconds only while the first generation compiled. A
-gc.freeze() after warm-up was tried and dropped: it bought nothing measurable.
+gc.freeze() after warm-up was tried and dropped: it bought nothing measurable inside the calls.
+
+What a compile leaves behind does cost later, at a moment no call chooses: CPython runs a full
+collection once the objects promoted to the oldest generation since the last full one exceed a
+quarter of those it holds, and a compile promotes hundreds of thousands. On H100s that full
+collection (~0.7 s) fell into the first timed step of 2 of 5 peer-bench rows (docs/benchmarks.md,
+issue 27 twenty-eighth step). `collect_after_compile` runs it right after the call that compiled,
+in the warm-up it belongs to (0.3-0.4 s there), which also resets that count. No gc.freeze():
+frozen objects that later form unreachable cycles (an engine dropped by a replan) would never be
+freed.
 """
 
 from __future__ import annotations
@@ -116,4 +125,14 @@ class HostPauseClock:
                 self._gc_full += 1
 
 
-__all__ = ["HOST_PAUSE_KEYS", "HostPauseClock", "HostPauses", "compile_totals"]
+def collect_after_compile(compiles: int | None) -> bool:
+    """A full collection now when the call that just ended compiled graphs (`compiles` > 0, its
+    `HostPauses.compiles`; None: not clocked), so the garbage of that compile is collected before
+    the next call instead of inside some later one. Returns whether it collected."""
+    if not compiles:
+        return False
+    gc.collect()
+    return True
+
+
+__all__ = ["HOST_PAUSE_KEYS", "HostPauseClock", "HostPauses", "collect_after_compile", "compile_totals"]

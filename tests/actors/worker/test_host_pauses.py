@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from actors.worker.host_pauses import HostPauseClock, HostPauses, compile_totals
+from actors.worker.host_pauses import HostPauseClock, HostPauses, collect_after_compile, compile_totals
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +84,19 @@ def test_the_clock_counts_compiles_and_recompiles() -> None:
 
 def test_since_subtracts_every_total() -> None:
     assert HostPauses(1.5, 3, 4, 2.0).since(HostPauses(0.5, 1, 1, 0.5)) == HostPauses(1.0, 2, 3, 1.5)
+
+
+def test_a_call_that_compiled_is_followed_by_a_full_collection() -> None:
+    clock = HostPauseClock().install()
+    try:
+        before = clock.reading()
+        collected = [collect_after_compile(n) for n in (None, 0)]  # not clocked, nothing compiled
+        quiet = clock.reading().since(before)
+        _cycles(1000)
+        assert collect_after_compile(3)
+        after = clock.reading().since(before)
+    finally:
+        clock.uninstall()
+    assert collected == [False, False] and quiet.gc_full == 0
+    assert after.gc_full == 1 and after.gc_s > 0.0
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # a collection, no freeze
