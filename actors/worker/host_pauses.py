@@ -26,11 +26,16 @@ gc.freeze() after warm-up was tried and dropped: it bought nothing measurable in
 
 What a compile leaves behind does cost later, at a moment no call chooses: CPython runs a full
 collection once the objects promoted to the oldest generation since the last full one exceed a
-quarter of those it holds, and a compile promotes hundreds of thousands. On H100s that full
-collection (~0.7 s) fell into the first timed step of 2 of 5 peer-bench rows (docs/benchmarks.md,
-issue 27 twenty-eighth step). `collect_after_compile` runs it right after the call that compiled,
-in the warm-up it belongs to (0.3-0.4 s there), which also resets that count. No gc.freeze():
-frozen objects that later form unreachable cycles (an engine dropped by a replan) would never be
+quarter of those it holds, and the first generation's compile promotes a great many. On
+H100s that full collection (~0.7 s) fell into the first timed step of 2 of 5 peer-bench rows
+(docs/benchmarks.md, issue 27 twenty-eighth step). `collect_after_compile` runs one right after a
+call whose compile was large enough to set off full collections of its own, in the warm-up it
+belongs to (0.3-0.4 s there); that resets the count, and the smaller compiles after it (the
+training call's: 0.02-0.08 s of collection in its warm-up, so no full one) should stay below the
+next quarter. A call that compiled without a full collection is left alone: another full
+collection would walk every object again (an estimated ~0.3 s) in the gap before the next call,
+which may be a timed step's. No gc.freeze() (which would make repeated collections cheap):
+frozen objects that later form unreachable cycles (a released copy's tensors) would never be
 freed.
 """
 
@@ -125,11 +130,12 @@ class HostPauseClock:
                 self._gc_full += 1
 
 
-def collect_after_compile(compiles: int | None) -> bool:
-    """A full collection now when the call that just ended compiled graphs (`compiles` > 0, its
-    `HostPauses.compiles`; None: not clocked), so the garbage of that compile is collected before
+def collect_after_compile(compiles: int | None, full_collections: int | None) -> bool:
+    """A full collection now when the call that just ended compiled graphs (`compiles` > 0) and ran
+    full collections while doing so (`full_collections` > 0; both its `HostPauses` fields, None
+    where it was not clocked): the garbage and the count of that compile are then settled before
     the next call instead of inside some later one. Returns whether it collected."""
-    if not compiles:
+    if not compiles or not full_collections:
         return False
     gc.collect()
     return True

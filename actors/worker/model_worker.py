@@ -339,7 +339,8 @@ class ModelWorker:
                              "optimizer lives on its home placement (load_model's)")
         ctx = CallContext(call, engine, engine.groups, mesh_rank, self.device)
         meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe, self.host_pauses)
-        collect_after_compile(meta.get("compiles"))  # outside the call's time: the next call's gc_before_s
+        # Outside the call's time: the next call's gc_before_s shows it.
+        collect_after_compile(meta.get("compiles"), meta.get("gc_full"))
         if call.kind == "train":
             state.copies.after_train()
             self._sync_engines(state)

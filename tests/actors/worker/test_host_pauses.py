@@ -86,17 +86,18 @@ def test_since_subtracts_every_total() -> None:
     assert HostPauses(1.5, 3, 4, 2.0).since(HostPauses(0.5, 1, 1, 0.5)) == HostPauses(1.0, 2, 3, 1.5)
 
 
-def test_a_call_that_compiled_is_followed_by_a_full_collection() -> None:
+def test_a_compile_that_ran_full_collections_is_followed_by_one() -> None:
     clock = HostPauseClock().install()
     try:
         before = clock.reading()
-        collected = [collect_after_compile(n) for n in (None, 0)]  # not clocked, nothing compiled
+        # not clocked, nothing compiled, a compile without a full collection of its own
+        collected = [collect_after_compile(c, f) for c, f in ((None, None), (0, 2), (3, 0))]
         quiet = clock.reading().since(before)
         _cycles(1000)
-        assert collect_after_compile(3)
+        assert collect_after_compile(3, 1)
         after = clock.reading().since(before)
     finally:
         clock.uninstall()
-    assert collected == [False, False] and quiet.gc_full == 0
+    assert collected == [False, False, False] and quiet.gc_full == 0
     assert after.gc_full == 1 and after.gc_s > 0.0
     assert gc.isenabled() and gc.get_freeze_count() == 0  # a collection, no freeze
