@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peer_bench import main, parse_also
-from benchmarks.peer_setup import build_inputs
+from benchmarks.peer_setup import TINY, build_inputs, random_llama
 from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 
@@ -29,6 +29,34 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
     trl_ids = [hf(text, add_special_tokens=False)["input_ids"] for text in texts]  # how TRL encodes prompts
     assert [list(e.prompt_ids) for e in ours] == trl_ids
     assert all(len(ids) == 12 for ids in trl_ids)
+
+
+@pytest.mark.unit
+def test_the_random_checkpoint_is_initialised_as_transformers_does_and_reloads_exactly(tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in TINY.to_hf_config().items() if k not in ("architectures", "model_type")}
+    config = LlamaConfig(**fields, pad_token_id=2)
+    model = random_llama(config, seed=0)
+    params = dict(model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params.values())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the 1B's head
+    matrices = torch.cat([p.float().flatten() for p in params.values() if p.ndim == 2])
+    assert abs(matrices.std().item() - config.initializer_range) < 0.05 * config.initializer_range
+    assert all(torch.all(p == 1) for name, p in params.items() if p.ndim == 1)  # the norms' weights
+    assert torch.all(model.model.embed_tokens.weight[2] == 0)  # the padding row, as nn.Embedding's init
+    again, other = random_llama(config, seed=0), random_llama(config, seed=1)
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(params[up], dict(again.named_parameters())[up])
+    assert not torch.equal(params[up], dict(other.named_parameters())[up])
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    ids = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()
 
 
 @pytest.mark.unit
