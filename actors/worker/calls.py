@@ -51,7 +51,7 @@ from actors.worker.data import (
 )
 from actors.worker.execution import MicroBatching, plan_micro_batching
 from actors.worker.guards import score_rows
-from actors.worker.host_pauses import HOST_PAUSE_KEYS, HostPauseClock
+from actors.worker.host_pauses import HOST_PAUSE_KEYS, HostPauseClock, collect_after_compile
 from actors.worker.memory import MemoryProbe, NoMemoryProbe
 from actors.worker.texts import decode_rows
 from planning.plan import CallExecution, Placement, check_execution_kind
@@ -284,7 +284,9 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
     during it (`peak_allocated_bytes` / `peak_reserved_bytes`, None on CPU) and, with a pause
     clock, what stalled the host in it (`gc_s`, `gc_full`, `compiles`, `compile_s`:
     actors.worker.host_pauses; None without) and the garbage collection since the worker's
-    previous call ended (`gc_before_s`; None without a clock or before the first call) to its meta."""
+    previous call ended (`gc_before_s`; None without a clock or before the first call) to its meta.
+    After a GPU call whose compile ran full collections, one more, outside its time
+    (`collect_after_compile`; the next call's `gc_before_s` shows it)."""
     probe = memory if memory is not None else NoMemoryProbe()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
@@ -298,6 +300,8 @@ def timed(fn: Callable[[CallContext, Sequence[dict | None]], tuple[dict, dict | 
     peak = probe.peak()
     paused = (asdict(pauses.call_ended(paused_before)) if pauses is not None and paused_before is not None
               else dict.fromkeys(HOST_PAUSE_KEYS))
+    if ctx.device.type == "cuda":
+        collect_after_compile(paused["compiles"], paused["gc_full"])
     return {"call": ctx.call.name, "iteration": ctx.call.iteration, "start": start, "end": end,
             "seconds": end - start, "peak_allocated_bytes": peak.allocated_bytes if peak else None,
             "peak_reserved_bytes": peak.reserved_bytes if peak else None, **paused, "gc_before_s": gc_before_s,

@@ -49,7 +49,7 @@ from actors.engine import (
 )
 from actors.realloc import ModelCopies, ReallocGroups, execute_reallocation, release_peer_mappings
 from actors.worker.calls import CallContext, CallSpec, timed
-from actors.worker.host_pauses import HostPauseClock, collect_after_compile
+from actors.worker.host_pauses import HostPauseClock
 from actors.worker.memory import MemoryProbe, memory_probe_for
 from actors.worker.models import (
     RoleState,
@@ -339,8 +339,6 @@ class ModelWorker:
                              "optimizer lives on its home placement (load_model's)")
         ctx = CallContext(call, engine, engine.groups, mesh_rank, self.device)
         meta, data = timed(CALL_OPS[op], ctx, inputs, self.memory_probe, self.host_pauses)
-        # Outside the call's time: the next call's gc_before_s shows it.
-        collect_after_compile(meta.get("compiles"), meta.get("gc_full"))
         if call.kind == "train":
             state.copies.after_train()
             self._sync_engines(state)
