@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     inputs = build_inputs((args.inputs or base / ("inputs-tiny" if tiny else "inputs")).resolve(), tiny,
                           n_prompts=4 * work.prompts, prompt_len=work.prompt_len, mean_len=args.mean_len)
-    print(f"inputs built in {time.perf_counter() - start:.1f} s: {inputs.model_dir}", flush=True)
+    parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in inputs.build_s.items())
+    print(f"inputs built in {time.perf_counter() - start:.1f} s ({parts}): {inputs.model_dir}", flush=True)
     results = [] if args.skip_ours else run_our_rows(args, inputs, work, out, start)
     if not args.skip_trl:
         settings = TrlSettings(micro_batch=args.trl_micro_batch or (8 if tiny else 32), dtype=args.trl_dtype,

@@ -24,7 +24,8 @@ import json
 import random
 import string
 import sys
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,15 @@ class PeerInputs:
     prompts: Path
     spec: ModelSpec
     prompt_len: int
+    build_s: dict[str, float] = field(default_factory=dict)  # seconds per part of the build, in order
+
+
+def lap(times: dict[str, float] | None, part: str, since: float) -> float:
+    """Record the seconds since `since` under `part` (when `times` is given); returns now."""
+    now = time.perf_counter()
+    if times is not None:
+        times[part] = now - since
+    return now
 
 
 def n_specials(vocab_size: int) -> int:
@@ -93,24 +103,31 @@ def byte_level_bpe(vocab_size: int):  # -> tokenizers.Tokenizer
     return tokenizer
 
 
-def save_model_dir(out: Path, spec: ModelSpec, seed: int, mean_len: float | None = None) -> ModelSpec:
+def save_model_dir(out: Path, spec: ModelSpec, seed: int, mean_len: float | None = None,
+                   times: dict[str, float] | None = None) -> ModelSpec:
     """A random-weight HF checkpoint of `spec` (bf16 safetensors) with its tokenizer; returns the
-    spec with the tokenizer's bos/eos ids. mean_len: plant the EOS (module docstring)."""
+    spec with the tokenizer's bos/eos ids. mean_len: plant the EOS (module docstring). times:
+    filled with the seconds of each part (imports, tokenizer, weights, save)."""
+    start = time.perf_counter()
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     from benchmarks.planted_eos import plant_eos
 
+    start = lap(times, "imports", start)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(spec.vocab_size), bos_token=SPECIALS[0],
                                         eos_token=SPECIALS[1], pad_token=SPECIALS[2])
     spec = replace(spec, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     fields = {k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "model_type")}
     config = LlamaConfig(**fields, pad_token_id=tokenizer.pad_token_id)
+    start = lap(times, "tokenizer", start)
     model = random_llama(config, seed)
     if mean_len is not None:
         plant_eos(model, tokenizer.eos_token_id, mean_len)
+    start = lap(times, "weights", start)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    lap(times, "save", start)
     return spec
 
 
@@ -177,13 +194,16 @@ def build_inputs(out: Path, tiny: bool, n_prompts: int, prompt_len: int, seed: i
     an EOS planted in the weights, module docstring)."""
     from transformers import AutoTokenizer
 
-    spec = save_model_dir(out / "model", TINY if tiny else LLAMA_1B, seed, mean_len)
+    times: dict[str, float] = {}
+    spec = save_model_dir(out / "model", TINY if tiny else LLAMA_1B, seed, mean_len, times)
+    start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     path = out / "prompts.jsonl"
     with path.open("w", encoding="utf-8") as sink:
         for text in prompt_texts(tokenizer, n_prompts, prompt_len, seed):
             sink.write(json.dumps({"prompt": text}) + "\n")
-    return PeerInputs(out / "model", path, spec, prompt_len)
+    lap(times, "prompts", start)
+    return PeerInputs(out / "model", path, spec, prompt_len, times)
 
 
 def main(argv: list[str] | None = None) -> int:

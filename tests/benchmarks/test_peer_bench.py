@@ -29,6 +29,8 @@ def test_both_systems_read_the_same_prompt_ids(tmp_path: Path) -> None:
     trl_ids = [hf(text, add_special_tokens=False)["input_ids"] for text in texts]  # how TRL encodes prompts
     assert [list(e.prompt_ids) for e in ours] == trl_ids
     assert all(len(ids) == 12 for ids in trl_ids)
+    assert list(inputs.build_s) == ["imports", "tokenizer", "weights", "save", "prompts"]
+    assert all(seconds >= 0.0 for seconds in inputs.build_s.values())
 
 
 @pytest.mark.unit
