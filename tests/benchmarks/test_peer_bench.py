@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peer_bench import main, parse_also
-from benchmarks.peer_setup import TINY, build_inputs, random_llama
+from benchmarks.peer_setup import TINY, build_inputs, normal_through_float32_, random_llama
 from tests.ray_fixtures import ray_session  # noqa: F401  (the shared Ray instance fixture)
 
 
@@ -59,6 +59,24 @@ def test_the_random_checkpoint_is_initialised_as_transformers_does_and_reloads_e
     ids = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+
+
+@pytest.mark.unit
+def test_the_float32_draw_fills_every_element_in_chunks_and_repeats_with_the_seed() -> None:
+    import torch
+
+    def draw(seed: int) -> torch.Tensor:
+        param = torch.full((300, 7), float("nan"), dtype=torch.bfloat16)
+        scratch = torch.empty(64)  # 2,100 elements: 32 full chunks and one of 52
+        normal_through_float32_(param, 0.5, torch.Generator().manual_seed(seed), scratch)
+        return param
+
+    first = draw(3)
+    assert first.dtype == torch.bfloat16 and not first.isnan().any()
+    assert abs(first.float().std().item() - 0.5) < 0.05 and abs(first.float().mean().item()) < 0.05
+    assert torch.equal(first, draw(3)) and not torch.equal(first, draw(4))
+    rows = first.float().view(-1)[:2048].view(32, 64)  # the chunks differ: each drew its own numbers
+    assert len({tuple(row.tolist()) for row in rows}) == 32
 
 
 @pytest.mark.unit
