@@ -56,11 +56,10 @@ class PeerInputs:
     build_s: dict[str, float] = field(default_factory=dict)  # seconds per part of the build, in order
 
 
-def lap(times: dict[str, float] | None, part: str, since: float) -> float:
-    """Record the seconds since `since` under `part` (when `times` is given); returns now."""
+def lap(times: dict[str, float], part: str, since: float) -> float:
+    """Record the seconds since `since` under `part`; returns now."""
     now = time.perf_counter()
-    if times is not None:
-        times[part] = now - since
+    times[part] = now - since
     return now
 
 
@@ -105,8 +104,8 @@ def byte_level_bpe(vocab_size: int):  # -> tokenizers.Tokenizer
     return tokenizer
 
 
-def save_model_dir(out: Path, spec: ModelSpec, seed: int, mean_len: float | None = None,
-                   times: dict[str, float] | None = None) -> ModelSpec:
+def save_model_dir(out: Path, spec: ModelSpec, seed: int, mean_len: float | None,
+                   times: dict[str, float]) -> ModelSpec:
     """A random-weight HF checkpoint of `spec` (bf16 safetensors) with its tokenizer; returns the
     spec with the tokenizer's bos/eos ids. mean_len: plant the EOS (module docstring). times:
     filled with the seconds of each part (imports, tokenizer, weights, save)."""
