@@ -9,9 +9,13 @@ byte-level BPE of benchmarks/peer_setup.py, 128,256 tokens by default) and rando
 * `rule_reward`: `ModelWorker.run_call` of the op the peer bench's rew_inf runs (decode every
   prompt and response with the actor's tokenizer, then benchmarks/peer_reward.py's length rule per
   row under the reward time limit), beside the cost model's price of it
-  (planning.cost_terms.MODEL_FREE_S_PER_TOKEN per response token);
+  (planning.cost_terms.BYTE_TABLE_S_PER_TOKEN per response token, as preflight prices a
+  byte-level tokenizer's rule reward);
 * `RewardText.rows`: what a reward model with another tokenizer does before its forward (decode,
-  render, re-tokenize; here the same tokenizer on both sides and no chat template).
+  render, re-tokenize; here the same tokenizer on both sides and no chat template);
+* the responses' decoding alone, both ways: the tokenizers backend's `decode_batch` (the path of
+  tokenizers without a byte-level decoder) and the byte table (actors.worker.byte_level), which
+  the calls above take with this byte-level tokenizer.
 
 Each is run once to warm up, then `--repeats` times; the table gives the median and the range.
 """
@@ -64,7 +68,7 @@ def main() -> None:
 
     from actors.worker import CallSpec, ModelWorker
     from app.data.tokenizers import RewardText
-    from planning.cost_terms import MODEL_FREE_S_PER_TOKEN
+    from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN
     from planning.layout import Layout, Mesh
     from planning.plan import Placement
 
@@ -88,12 +92,21 @@ def main() -> None:
         prompt_ids = [t.tolist() for t in shard["prompt_ids"]]
         response_ids = [t.tolist() for t in shard["response_ids"]]
         retokenize = timings(lambda: bridge.rows([None] * rows, prompt_ids, response_ids), args.repeats)
+        from actors.worker.texts import byte_table
 
-    estimate = rows * args.gen_len * MODEL_FREE_S_PER_TOKEN
+        table = byte_table(tokenizer)
+        if table is None:
+            raise SystemExit("reward_host_bench: the byte-level tokenizer has no byte table (its probe failed)")
+        backend = timings(lambda: tokenizer.backend_tokenizer.decode_batch(response_ids, skip_special_tokens=True),
+                          args.repeats)
+        through_table = timings(lambda: table.decode_tensors(shard["response_ids"]), args.repeats)
+
+    estimate = rows * args.gen_len * BYTE_TABLE_S_PER_TOKEN  # what preflight prices a byte-level tokenizer's call at
     print(f"\nreward host work: {args.prompts} prompts x {args.group} of {args.prompt_len} + {args.gen_len} tokens, "
           f"vocabulary {args.vocab}, median of {args.repeats} after a warm-up")
     print(f"{'call':<18} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'plan est ms':>11}")
-    for name, seconds, est in (("rule_reward", rule, f"{1e3 * estimate:.2f}"), ("RewardText.rows", retokenize, "-")):
+    for name, seconds, est in (("rule_reward", rule, f"{1e3 * estimate:.3g}"), ("RewardText.rows", retokenize, "-"),
+                               ("decode: backend", backend, "-"), ("decode: byte table", through_table, "-")):
         ms = [1e3 * s for s in seconds]
         print(f"{name:<18} {statistics.median(ms):>10.2f} {min(ms):>8.2f} {max(ms):>8.2f} {est:>11}")
 

@@ -220,7 +220,8 @@ def model_free_cost(mfc: MFC, layout: Layout) -> CallCost:
     """A call that runs no model (`MFC.model_free`): host seconds for the response tokens of one
     dp replica's rows, no GPU memory, any layout."""
     rows = math.ceil(mfc.batch.n_seqs / layout.dp)
-    host_s = rows * mfc.batch.gen_len * MODEL_FREE_S_PER_TOKEN * mfc.expected_runs
+    per_token = MODEL_FREE_S_PER_TOKEN if mfc.host_s_per_token is None else mfc.host_s_per_token
+    host_s = rows * mfc.batch.gen_len * per_token * mfc.expected_runs
     return CallCost(host_s, 0.0, True, {"host_s": host_s})
 
 

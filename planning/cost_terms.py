@@ -43,6 +43,10 @@ GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # against this price's 0.079 (0.12-0.27 s before: issue 27, docs/benchmarks.md, eleventh and
 # twelfth steps).
 MODEL_FREE_S_PER_TOKEN = 3e-7
+# The same call where the actor's tokenizer decodes through a byte table (a byte-level BPE:
+# actors.worker.byte_level): 15 ms a call on the 2-core development machine (14.8-16.5 ms; 65 ms
+# through the backend's decode_batch), issue 27, thirtieth step.
+BYTE_TABLE_S_PER_TOKEN = 6e-8
 # Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
 # saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
 TRAIN_LOGIT_BYTES = 4

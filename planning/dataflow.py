@@ -119,7 +119,11 @@ class MFC:
         (`MultiTurn`; batch.gen_len is then one turn's decode length); None: single-turn.
     model_free: an inference call that runs no model: a rule-based reward scored on the workers'
         host threads, or the environments' rewards of multi-turn rollouts. It holds no weights and
-        no GPU memory; its time is host time (`planning.cost_terms.MODEL_FREE_S_PER_TOKEN`).
+        no GPU memory; its time is host time: `host_s_per_token` per response token, or
+        `planning.cost_terms.MODEL_FREE_S_PER_TOKEN` where that is None.
+    host_s_per_token: a model-free call's host seconds per response token where the app knows
+        better than the default (a rule reward whose tokenizer decodes through a byte table:
+        `planning.cost_terms.BYTE_TABLE_S_PER_TOKEN`).
     truncated_sampling: a generate call sampling with top-k or top-p (sorted rows each step);
         False: greedy or plain temperature sampling (one fused read of the logits).
     fp8_decode: a generate call whose decode steps run the MLPs and head from FP8 copies
@@ -140,6 +144,7 @@ class MFC:
     with_entropy: bool = False
     multi_turn: MultiTurn | None = None
     model_free: bool = False
+    host_s_per_token: float | None = None
     truncated_sampling: bool = False
     fp8_decode: bool = False
     fp8_kv_cache: bool = False
@@ -157,6 +162,9 @@ class MFC:
             raise ValueError(f"MFC {self.name}: multi_turn is for generate calls, not {self.kind}")
         if self.model_free and self.kind != "inference":
             raise ValueError(f"MFC {self.name}: model_free is for inference calls, not {self.kind}")
+        if self.host_s_per_token is not None and not (self.model_free and self.host_s_per_token > 0):
+            raise ValueError(f"MFC {self.name}: host_s_per_token={self.host_s_per_token} is for model-free calls, "
+                             "and must be > 0")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from actors.worker.profiler import (
     measure_engine,
     measure_hardware,
 )
-from actors.worker.texts import decode_many
+from actors.worker.texts import decode_many, decodes_through_byte_table
 
 __all__ = [
     # models.py
@@ -67,6 +67,7 @@ __all__ = [
     "measure_hardware",
     # texts.py
     "decode_many",
+    "decodes_through_byte_table",
     # profile_fit.py
     "fit_efficiency", "fit_tp_comm", "predicted_seconds", "predicted_tp_fwd_bwd_s",
 ]

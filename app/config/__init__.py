@@ -25,7 +25,7 @@ from app.config.errors import ConfigError
 from app.config.experiment import ExperimentConfig, ModelSource, load_config
 from app.config.files import load_yaml, read_utf8
 from app.config.preflight import check_model_dir, check_out_path, check_tokenizer_dir, model_tokenizer
-from app.config.problem import build_problem, manual_plan, model_spec, role_sources, search_error
+from app.config.problem import build_problem, manual_plan, model_spec, role_sources, rule_reward_priced, search_error
 
 __all__ = [
     # checks.py
@@ -37,7 +37,7 @@ __all__ = [
     # experiment.py
     "ExperimentConfig", "ModelSource", "load_config",
     # problem.py
-    "build_problem", "manual_plan", "model_spec", "role_sources", "search_error",
+    "build_problem", "manual_plan", "model_spec", "role_sources", "rule_reward_priced", "search_error",
     # preflight.py
     "check_model_dir", "check_out_path", "check_tokenizer_dir", "model_tokenizer",
 ]

@@ -187,6 +187,15 @@ def build_problem(cfg: ExperimentConfig, reward_token_ratio: float | None = None
     return problem
 
 
+def rule_reward_priced(problem: PlanningProblem, host_s_per_token: float) -> PlanningProblem:
+    """The problem with its model-free reward calls priced at `host_s_per_token` per response
+    token (`MFC.host_s_per_token`): app.run.runtime.preflight knows the actor's tokenizer, and
+    with it how fast a rule reward's rows decode."""
+    mfcs = tuple(replace(m, host_s_per_token=host_s_per_token) if m.model_free and m.role == "reward" else m
+                 for m in problem.graph.mfcs)
+    return replace(problem, graph=replace(problem.graph, mfcs=mfcs))
+
+
 def config_offload(cfg: ExperimentConfig, graph: Graph) -> tuple[tuple[str, float], ...]:
     """`plan.optimizer_offload` as the problem's (role, fraction) pairs (zeros left out); every
     role named must be one the graph trains. None (the planner chooses) gives ()."""

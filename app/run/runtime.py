@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from actors.worker import CONCURRENCY_GROUPS
+from actors.worker import CONCURRENCY_GROUPS, decodes_through_byte_table
 from app.algorithms import (
     MULTI_TURN_ALGORITHMS,
     RUNTIME_ALGORITHMS,
@@ -46,6 +46,7 @@ from app.config import (
     manual_plan,
     model_spec,
     role_sources,
+    rule_reward_priced,
     search_error,
 )
 from app.data import (
@@ -65,6 +66,7 @@ from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
 from cluster.resources import RayClusterInfo, RayStartOptions, connect
 from planning.cost import PlanningProblem
+from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN
 from planning.models import ModelSpec
 from planning.plan import ExecutionPlan, Placement
 from planning.planner_service import PlannerService
@@ -133,6 +135,10 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         problem = build_problem(cfg, reward_text.ratio, reward_text.extra_tokens)
         manual = manual_plan(cfg, problem)
         settings = replace(settings, rollout=replace(settings.rollout, reward_text=reward_text.params))
+    # A rule reward's rows decode faster through a byte-level tokenizer's byte table.
+    if reward_fn is not None and decodes_through_byte_table(getattr(tokenizer, "hf", tokenizer)):
+        problem = rule_reward_priced(problem, BYTE_TABLE_S_PER_TOKEN)
+        manual = manual_plan(cfg, problem)
     return TrainInputs(
         cfg=cfg, problem=problem, manual=manual, models=models,
         examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,

@@ -1,5 +1,6 @@
-"""benchmarks/reward_host_bench.py at a small shape: both reward calls run and the table comes
-last, with the cost model's estimate beside the rule reward; bad arguments are refused."""
+"""benchmarks/reward_host_bench.py at a small shape: both reward calls and both ways of decoding
+the responses run and the table comes last, with the cost model's estimate beside the rule
+reward; bad arguments are refused."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def test_small_shape_reports_both_calls() -> None:
                  "--repeats", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[-3].split()[:2] == ["call", "median"]
-    rule, retokenize = lines[-2].split(), lines[-1].split()
+    assert lines[-5].split()[:2] == ["call", "median"]
+    rule, retokenize, backend, table = (line.split() for line in lines[-4:])
     assert rule[0] == "rule_reward" and float(rule[1]) > 0 and float(rule[4]) > 0  # the plan's estimate
     assert retokenize[0] == "RewardText.rows" and float(retokenize[1]) > 0 and retokenize[4] == "-"
+    assert backend[:2] == ["decode:", "backend"] and float(backend[2]) > 0
+    assert table[:3] == ["decode:", "byte", "table"] and float(table[3]) > 0
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -15,7 +15,7 @@ from app.config.problem import build_graph, reward_is_model_free
 from app.reporting.report import plan_json, plan_report
 from planning.algorithm_graphs import grpo_graph
 from planning.cost import call_cost, rlhf_problem
-from planning.cost_terms import MODEL_FREE_S_PER_TOKEN
+from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN, MODEL_FREE_S_PER_TOKEN
 from planning.dataflow import MFC, BatchShape
 from planning.hardware import hardware_preset
 from planning.layout import ClusterSpec, Layout, Mesh
@@ -51,6 +51,17 @@ def test_model_free_call_is_host_time_per_response_token_and_no_memory() -> None
     modelled = problem(model_free=False)
     as_model = call_cost(modelled, modelled.graph.mfc("rew_inf"), ONE_GPU)
     assert as_model.time_s > 3 * cost.time_s and as_model.breakdown["weights_bytes"] > 0
+
+
+def test_a_call_priced_by_the_app_uses_its_own_rate() -> None:
+    p = problem()
+    reward = replace(p.graph.mfc("rew_inf"), host_s_per_token=BYTE_TABLE_S_PER_TOKEN)
+    assert call_cost(p, reward, ONE_GPU).time_s == pytest.approx(512 * 512 * BYTE_TABLE_S_PER_TOKEN)
+    for bad, why in ((0.0, "must be > 0"), (-1e-7, "must be > 0")):
+        with pytest.raises(ValueError, match=f"host_s_per_token={bad}.*{why}"):
+            replace(reward, host_s_per_token=bad)
+    with pytest.raises(ValueError, match="host_s_per_token=1e-07 is for model-free calls"):
+        replace(p.graph.mfc("actor_gen"), host_s_per_token=1e-7)
 
 
 def test_only_inference_calls_may_be_model_free() -> None:

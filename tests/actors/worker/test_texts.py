@@ -1,7 +1,7 @@
 """actors/worker/texts.py: rows decoded for rule rewards give exactly what the tokenizer's own
 decode gives, row by row; rows that are one tensor are decoded once; the Rust backend's parallel
-decode is used only where the tokenizer's decode adds nothing to it (tiny tokenizers built here,
-nothing downloaded)."""
+decode, and the byte table of a byte-level decoder, are used only where the tokenizer's decode adds
+nothing to them (tiny tokenizers built here, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from actors.worker.texts import decode_rows, decodes_like_backend
+from actors.worker import texts
+from actors.worker.byte_level import ByteTable
+from actors.worker.texts import byte_table, decode_many, decode_rows, decodes_like_backend
 from benchmarks.peer_setup import SPECIALS, byte_level_bpe
 
 pytestmark = pytest.mark.unit
@@ -74,14 +76,42 @@ def test_byte_level_rows_decode_in_the_backend_as_the_tokenizer_would() -> None:
     assert decode_rows(tokenizer, rows) == texts  # the specials skipped, every byte back
 
 
-def test_rows_that_are_one_tensor_are_decoded_once() -> None:
+class CountingTable:
+    """A byte table that counts the rows it is given."""
+
+    def __init__(self, inner: ByteTable) -> None:
+        self.inner = inner
+        self.rows: list[int] = []
+
+    def decode_tensors(self, rows: list[torch.Tensor]) -> list[str] | None:
+        self.rows.append(len(rows))
+        return self.inner.decode_tensors(rows)
+
+
+@pytest.mark.parametrize("path", ["byte table", "backend"])
+def test_rows_that_are_one_tensor_are_decoded_once(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = byte_level_tokenizer()
+    table = byte_table(tokenizer)
+    assert table is not None  # a byte-level decoder that passes the probe
+    counting_table = CountingTable(table)
+    monkeypatch.setattr(texts, "byte_table", lambda tok: counting_table if path == "byte table" else None)
     counting = tokenizer._tokenizer = CountingBackend(tokenizer.backend_tokenizer)
     prompts = rows_of(tokenizer, ["hello", "world ."])
     rows = [prompts[i // 4] for i in range(8)]  # 2 prompts x 4 samples, as generation hands them over
     rows.append(prompts[0].clone())  # equal ids in another tensor: decoded on its own
     assert decode_rows(tokenizer, rows) == ["hello"] * 4 + ["world ."] * 4 + ["hello"]
-    assert counting.batched_rows == [3]
+    assert (counting_table.rows, counting.batched_rows) == (([3], []) if path == "byte table" else ([], [3]))
+
+
+def test_many_rows_decode_as_the_backend_through_the_byte_table() -> None:
+    tokenizer = byte_level_tokenizer()
+    assert byte_table(tokenizer) is not None
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, len(tokenizer), (int(n),), generator=generator)
+            for n in torch.randint(0, 40, (64,), generator=generator)]
+    expected = tokenizer.backend_tokenizer.decode_batch([r.tolist() for r in rows], skip_special_tokens=True)
+    assert decode_rows(tokenizer, rows) == expected
+    assert decode_many(tokenizer, [r.tolist() for r in rows]) == expected
 
 
 def test_a_tokenizer_whose_decode_cleans_up_keeps_its_own_decode() -> None:
