@@ -75,6 +75,9 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
     # One device tensor per prompt, shared by its rows: generation prefills it once for them all.
     distinct = [ids.to(ctx.device) for ids in cols["prompt_ids"]]
     prompts = [distinct[i] for i in index]
+    # The host copies the shard hands back: the inputs themselves, not one device-to-host copy
+    # (and stream synchronisation) per row.
+    host_prompts = [cols["prompt_ids"][i].cpu() for i in index]
     rounds = generation_rounds(ctx.call.execution, len(prompts))
     out = generate_in_rounds(engine.model, engine.groups, prompts, rounds,
                              lambda part: generation_config(ctx, rows.start, part))
@@ -83,12 +86,12 @@ def run_generate(ctx: CallContext, inputs: Sequence[dict | None]) -> tuple[dict,
             **{f"gen/{key}": value for key, value in out.seconds.items()}}
     responses, logprobs = out.responses, out.logprobs
     if out.sampling.truncates:  # collective over the mesh: every rank, before the owner check
-        logprobs = full_distribution_logprobs(ctx, [t.cpu() for t in prompts], responses, out.sampling.temperature)
+        logprobs = full_distribution_logprobs(ctx, host_prompts, responses, out.sampling.temperature)
     if not ctx.owner:
         return owner_result(ctx, {}, meta)
     prefix = str(p.get("out_prefix", ""))
     columns: dict[str, list[Any]] = {
-        f"{prefix}prompt_ids": [t.cpu() for t in prompts],
+        f"{prefix}prompt_ids": host_prompts,
         f"{prefix}response_ids": responses,
         f"{prefix}logprobs": logprobs,
         f"{prefix}no_eos": out.no_eos,

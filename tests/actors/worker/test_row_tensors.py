@@ -1,6 +1,7 @@
 """Shards' tensor columns travel packed (actors.worker.data.RowTensors): the same rows after a
-round trip through pickle and through Ray's serializer, each row owning its storage, a plain
-list where packing does not apply, and far fewer bytes of headers than row-by-row pickling."""
+round trip through pickle and through Ray's serializer, the packed buffer out of band and the rows
+writable views of one copy of it, a plain list where packing does not apply, and far fewer bytes
+of headers than row-by-row pickling."""
 
 from __future__ import annotations
 
@@ -25,7 +26,25 @@ def test_round_trip_keeps_every_row_shape_and_dtype() -> None:
     assert isinstance(back, RowTensors) and len(back) == len(rows)
     for a, b in zip(back, rows):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        assert a.untyped_storage().nbytes() == a.numel() * a.element_size()  # a clone, not a view
+    # Repacked (a consumer passing rows on in its own shard), the column is no larger.
+    assert len(pickle.dumps(RowTensors(back))) == len(pickle.dumps(RowTensors(rows)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool])
+def test_rows_from_a_read_only_buffer_are_writable_views_of_one_copy(dtype: torch.dtype) -> None:
+    """Ray's serializer hands a numpy buffer back as a read-only view of its object store
+    (pickle protocol 5, out of band): the rows are views of one writable copy, each its own."""
+    rows = [(torch.arange(k) % 2).to(dtype) for k in (3, 0, 5, 2)]
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(RowTensors(rows), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1  # the packed column went out of band
+    store = [memoryview(b).toreadonly() for b in buffers]
+    back = pickle.loads(data, buffers=store)
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(back, rows))
+    assert len({a.untyped_storage().data_ptr() for a in back if a.numel()}) == 1  # one copy shared
+    back[0].fill_(1)
+    assert torch.equal(back[2], rows[2]) and bytes(store[0]) == bytes(buffers[0].raw())  # neighbours, store untouched
 
 
 @pytest.mark.unit
