@@ -44,9 +44,10 @@ GRAD_ACCUMULATION_TRAFFIC_PER_PARAM = 12
 # twelfth steps).
 MODEL_FREE_S_PER_TOKEN = 3e-7
 # The same call where the actor's tokenizer decodes through a byte table (a byte-level BPE:
-# actors.worker.byte_level): 15 ms a call on the 2-core development machine (14.8-16.5 ms; 65 ms
-# through the backend's decode_batch), issue 27, thirtieth step.
-BYTE_TABLE_S_PER_TOKEN = 6e-8
+# actors.worker.byte_level), set from the GPU host: the peer bench's call took 0.028-0.046 s
+# (median 0.035) on an H100 machine's host, 16.5 ms on the 2-core development machine (75 ms
+# there through the backend's decode_batch): issue 27, thirtieth step.
+BYTE_TABLE_S_PER_TOKEN = 1.3e-7
 # Bytes per [token, vocab/tp] logit while training: the bf16 logits the fused logprob kernel
 # saves for backward and the bf16 gradient it writes (actors.kernels.fused_logprobs).
 TRAIN_LOGIT_BYTES = 4
