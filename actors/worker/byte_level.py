@@ -3,7 +3,7 @@ Llama 3, Qwen 2 to 3, DeepSeek): one numpy gather over a table of every id's byt
 
 A rule reward decodes every response of its call on the worker's host while the GPU waits (the
 peer bench: 512 rows of 512 ids a step). HF tokenizers' `decode_batch` builds a string per token
-and maps it back to bytes char by char, about 85 ns a token on one core of the 2-core
+and maps it back to bytes char by char, about 170 ns a token on the 2-core
 development machine (44 ms for those 262,144 ids), and gains little from more threads.
 
 Under a `ByteLevel` decoder a row's text is a pure function of its ids:

@@ -15,7 +15,7 @@ tokens per step). Two things make that cheap:
   batch in one numpy gather (actors.worker.byte_level; built and probed once per tokenizer).
 
 On a 2-core development machine, the peer bench's 512 responses: 0.133 s with `batch_decode`,
-0.063 s with `decode_batch` (docs/benchmarks.md, issue 27, eleventh step), 0.011 s through the
+0.063 s with `decode_batch` (docs/benchmarks.md, issue 27, eleventh step), 0.014 s through the
 byte table (thirtieth step).
 """
 
