@@ -66,10 +66,10 @@ class RowTensors(list):
     writes out of band (one copy into the object store, no torch.save archive per tensor) and
     reads back as a read-only view of it; unpickling copies it once and the rows are views of that
     copy (one copy, not one per row). On one worker, a generation shard of 512 rows reached the
-    reward call 14 ms after the generation call ended instead of 24, the training call 6 ms
-    after the reward call instead of 11.5 (docs/benchmarks.md, issue 27, thirtieth step). A row
-    kept alone keeps its column's buffer alive; shards are built by `make_shard`, whose columns
-    repack as one.
+    reward call 12 ms after the generation call ended instead of 18-27, the training call 5 ms
+    after the reward call instead of 10 (benchmarks/shard_hop_bench.py; docs/benchmarks.md,
+    issue 27, thirtieth step). A row kept alone keeps its column's buffer alive; shards are built
+    by `make_shard`, whose columns repack as one.
     """
 
     def __reduce__(self) -> tuple[Any, ...]:
