@@ -63,6 +63,21 @@ def lap(times: dict[str, float], part: str, since: float) -> float:
     return now
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompts, --group, --prompt-len, --gen-len: one step's rows, the peer bench's by default."""
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=512)
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Exit through `parser.error`, naming the option and its value, where one of `names` is < 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+
+
 def n_specials(vocab_size: int) -> int:
     """Special tokens on top of the vocabulary: Llama 3's 256 when it is that large, else 8."""
     return 256 if vocab_size >= 128_256 else 8

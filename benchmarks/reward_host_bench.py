@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from benchmarks.peer_setup import SPECIALS, byte_level_bpe
+from benchmarks.peer_setup import SPECIALS, add_shape_arguments, byte_level_bpe, require_positive
 
 
 def timings(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -51,16 +51,11 @@ def timings(fn: Callable[[], object], repeats: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=512)
+    add_shape_arguments(parser)
     parser.add_argument("--vocab", type=int, default=128_256, help="the tokenizer's size (peer bench: 128,256)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    for name in ("prompts", "group", "prompt_len", "gen_len", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    require_positive(parser, args, ("prompts", "group", "prompt_len", "gen_len", "repeats"))
     if args.vocab < 1024:
         parser.error(f"--vocab={args.vocab}: must be >= 1024 (the byte alphabet, specials and merges)")
 

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from actors.worker.data import make_shard, merge_shards
+from benchmarks.peer_setup import add_shape_arguments, require_positive
 
 MODEL_FREE = "model_free"
 
@@ -89,16 +90,11 @@ def measure_hops(worker: Any, args: argparse.Namespace) -> list[tuple[float, flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=512)
+    add_shape_arguments(parser)
     parser.add_argument("--hops", type=int, default=10, help="timed hops")
     parser.add_argument("--warmup", type=int, default=2, help="hops run first, not timed")
     args = parser.parse_args(argv)
-    for name in ("prompts", "group", "prompt_len", "gen_len", "hops"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    require_positive(parser, args, ("prompts", "group", "prompt_len", "gen_len", "hops"))
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup}: must be >= 0")
     started = not ray.is_initialized()
