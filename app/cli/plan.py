@@ -2,7 +2,13 @@
 
 Searches a plan (mesh + layout per call) for an experiment config without any GPU and prints
 the per-call table, the estimated iteration time beside the symmetric baseline, and the search
-time. `plan_experiment` is the reusable part: training calls it to get the plan it runs.
+time. `plan_experiment` is the reusable part (training searches the same way, from
+app.run.runtime.preflight's problem).
+
+Where the actor's tokenizer is on this machine (data.tokenizer an HF directory), a rule reward is
+priced as `train` prices it: by how fast its rows decode with that tokenizer
+(app.data.rule_reward_s_per_token). Planning a config before its model files are here keeps the
+planner's default rate for that call.
 """
 
 from __future__ import annotations
@@ -11,9 +17,19 @@ import argparse
 import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from app.config import ConfigError, ExperimentConfig, build_problem, load_config, manual_plan, search_error
+from app.config import (
+    ConfigError,
+    ExperimentConfig,
+    build_problem,
+    load_config,
+    manual_plan,
+    rule_reward_priced,
+    search_error,
+)
+from app.data import load_tokenizer, rule_reward_s_per_token
 from app.reporting import PlanReport, draw_gantt, format_plan_table, plan_json, plan_report, simulated_bars
 from planning.cost import PlanningProblem
 from planning.dataflow import with_staleness
@@ -74,7 +90,7 @@ def plan_experiment(cfg: ExperimentConfig) -> PlanOutcome:
     """Build the problem, search (or take the manual plan), and refuse plans that cannot run.
     With run.max_staleness > 0 the on-policy graph is planned too (same mode and budget), so the
     report shows both estimates."""
-    problem = build_problem(cfg)
+    problem = priced_as_train(cfg, build_problem(cfg))
     manual = manual_plan(cfg, problem)
     result = _search(cfg, problem, manual)
     on_policy = None
@@ -88,6 +104,20 @@ def plan_experiment(cfg: ExperimentConfig) -> PlanOutcome:
     )
     _check_feasible(cfg, result, sim, report)
     return PlanOutcome(problem, result, report)
+
+
+def priced_as_train(cfg: ExperimentConfig, problem: PlanningProblem) -> PlanningProblem:
+    """`problem` with a rule reward priced by the actor's tokenizer, as preflight prices it, where
+    data.tokenizer is an HF directory on this machine; otherwise unchanged (module docstring)."""
+    source = cfg.data.tokenizer
+    if cfg.reward.function is None or cfg.rollout.env is not None or not Path(source).is_dir():
+        return problem
+    try:
+        tokenizer = load_tokenizer(source)
+    except ValueError:  # train names the directory's fault; the plan keeps the default rate
+        return problem
+    rate = rule_reward_s_per_token(tokenizer)
+    return problem if rate is None else rule_reward_priced(problem, rate)
 
 
 def _search(cfg: ExperimentConfig, problem: PlanningProblem, manual: ExecutionPlan | None) -> SearchResult:

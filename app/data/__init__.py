@@ -26,7 +26,14 @@ from app.data.datasets import (
 )
 from app.data.gsm8k import GSM8K_INSTRUCTION, final_answer, prepare_gsm8k
 from app.data.rewards import RewardLoadError, load_reward_fn, math_exact_match
-from app.data.tokenizers import REWARD_TEXT, RewardText, TokenizerInfo, load_tokenizer_object, tokenizer_info
+from app.data.tokenizers import (
+    REWARD_TEXT,
+    RewardText,
+    TokenizerInfo,
+    load_tokenizer_object,
+    rule_reward_s_per_token,
+    tokenizer_info,
+)
 from app.data.toy_task import TOY_RESPONSE_LEN, generate_toy_prompts, toy_target
 from app.data.user_code import import_user_module, looks_like_file
 
@@ -43,5 +50,5 @@ __all__ = [
     # rewards.py
     "RewardLoadError", "load_reward_fn", "math_exact_match",
     # tokenizers.py
-    "REWARD_TEXT", "RewardText", "TokenizerInfo", "load_tokenizer_object", "tokenizer_info",
+    "REWARD_TEXT", "RewardText", "TokenizerInfo", "load_tokenizer_object", "rule_reward_s_per_token", "tokenizer_info",
 ]

@@ -39,6 +39,17 @@ SPECIAL_NAMES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 REWARD_TEXT = "app.data.tokenizers:RewardText"  # what the workers build the bridge from (by name)
 
 
+def rule_reward_s_per_token(tokenizer: Any) -> float | None:
+    """Host seconds per response token of a rule reward's call on the actor's `tokenizer` (an
+    HFTokenizer, or the HF object), for `MFC.host_s_per_token`: where its rows decode through a
+    byte table (a byte-level BPE: actors.worker.byte_level) BYTE_TABLE_S_PER_TOKEN; None keeps
+    the planner's default rate. Preflight and `python -m app plan` both price the call with it."""
+    from actors.worker import decodes_through_byte_table  # torch: only once a tokenizer is loaded
+    from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN
+
+    return BYTE_TABLE_S_PER_TOKEN if decodes_through_byte_table(getattr(tokenizer, "hf", tokenizer)) else None
+
+
 @functools.lru_cache(maxsize=16)
 def load_tokenizer_object(source: str) -> Any:
     """The tokenizer `source` names (module docstring); ValueError naming it when it cannot load."""

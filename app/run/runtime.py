@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from actors.worker import CONCURRENCY_GROUPS, decodes_through_byte_table
+from actors.worker import CONCURRENCY_GROUPS
 from app.algorithms import (
     MULTI_TURN_ALGORITHMS,
     RUNTIME_ALGORITHMS,
@@ -57,6 +57,7 @@ from app.data import (
     load_preference_records,
     load_reward_fn,
     load_tokenizer,
+    rule_reward_s_per_token,
     tokenize_preferences,
 )
 from app.run.cluster_check import check_local_start, planner_nodes
@@ -66,7 +67,6 @@ from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
 from cluster.resources import RayClusterInfo, RayStartOptions, connect
 from planning.cost import PlanningProblem
-from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN
 from planning.models import ModelSpec
 from planning.plan import ExecutionPlan, Placement
 from planning.planner_service import PlannerService
@@ -136,8 +136,8 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         manual = manual_plan(cfg, problem)
         settings = replace(settings, rollout=replace(settings.rollout, reward_text=reward_text.params))
     # A rule reward's rows decode faster through a byte-level tokenizer's byte table.
-    if reward_fn is not None and decodes_through_byte_table(getattr(tokenizer, "hf", tokenizer)):
-        problem = rule_reward_priced(problem, BYTE_TABLE_S_PER_TOKEN)
+    if reward_fn is not None and (rate := rule_reward_s_per_token(tokenizer)) is not None:
+        problem = rule_reward_priced(problem, rate)
         manual = manual_plan(cfg, problem)
     return TrainInputs(
         cfg=cfg, problem=problem, manual=manual, models=models,
