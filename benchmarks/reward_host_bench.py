@@ -62,6 +62,7 @@ def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
     from actors.worker import CallSpec, ModelWorker
+    from actors.worker.texts import byte_table
     from app.data.tokenizers import RewardText
     from planning.cost_terms import BYTE_TABLE_S_PER_TOKEN
     from planning.layout import Layout, Mesh
@@ -87,8 +88,6 @@ def main() -> None:
         prompt_ids = [t.tolist() for t in shard["prompt_ids"]]
         response_ids = [t.tolist() for t in shard["response_ids"]]
         retokenize = timings(lambda: bridge.rows([None] * rows, prompt_ids, response_ids), args.repeats)
-        from actors.worker.texts import byte_table
-
         table = byte_table(tokenizer)
         if table is None:
             raise SystemExit("reward_host_bench: the byte-level tokenizer has no byte table (its probe failed)")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-# Rows decoded per gather: bounds the gather's index array (8 bytes per output byte).
+# Ids decoded per gather (whole rows): bounds the gather's index array (8 bytes per output byte).
 CHUNK_IDS = 1 << 22
 PROBE_ROWS = 64
 PROBE_LEN = 48

@@ -34,9 +34,9 @@ belongs to (0.47-0.67 s there on H100s, twenty-ninth step); that resets the coun
 smaller compiles after it (the training call's: 0.02-0.10 s of collection in its warm-up, so no
 full one) stayed below the next quarter: no timed call collected for over 12 ms. A call that
 compiled without a full collection is left alone: another full collection would walk every
-object again (an estimated ~0.3 s) in the gap before the next call, which may be a timed step's. No gc.freeze() (which would make repeated collections cheap):
-frozen objects that later form unreachable cycles (a released copy's tensors) would never be
-freed.
+object again (an estimated ~0.3 s) in the gap before the next call, which may be a timed step's.
+No gc.freeze() (which would make repeated collections cheap): frozen objects that later form
+unreachable cycles (a released copy's tensors) would never be freed.
 """
 
 from __future__ import annotations

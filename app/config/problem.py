@@ -189,8 +189,8 @@ def build_problem(cfg: ExperimentConfig, reward_token_ratio: float | None = None
 
 def rule_reward_priced(problem: PlanningProblem, host_s_per_token: float) -> PlanningProblem:
     """The problem with its model-free reward calls priced at `host_s_per_token` per response
-    token (`MFC.host_s_per_token`): app.run.runtime.preflight knows the actor's tokenizer, and
-    with it how fast a rule reward's rows decode."""
+    token (`MFC.host_s_per_token`): the actor's tokenizer says how fast a rule reward's rows
+    decode (app.data.rule_reward_s_per_token; app.run.runtime.preflight, `python -m app plan`)."""
     mfcs = tuple(replace(m, host_s_per_token=host_s_per_token) if m.model_free and m.role == "reward" else m
                  for m in problem.graph.mfcs)
     return replace(problem, graph=replace(problem.graph, mfcs=mfcs))

@@ -1,6 +1,7 @@
 """What a run trains on: the built-in toy task, prompt and preference datasets, reward functions.
 
-May import planning and app.config (no torch at import time). In dependency order:
+May import planning and app.config (no torch at import time); actors.worker only inside functions
+(the workers' decoding, which the text bridge and a rule reward's price use). In dependency order:
   toy_task  the built-in toy task: prompts, a character tokenizer and its rule-based reward
   user_code importing the code a config names ('module:attr' or 'file.py:attr')
   datasets  JSONL/Parquet prompt files and DPO preference pairs, tokenisation, the batch iterator
