@@ -5,10 +5,14 @@ the per-call table, the estimated iteration time beside the symmetric baseline, 
 time. `plan_experiment` is the reusable part (training searches the same way, from
 app.run.runtime.preflight's problem).
 
-Where the actor's tokenizer is on this machine (data.tokenizer an HF directory), a rule reward is
-priced as `train` prices it: by how fast its rows decode with that tokenizer
-(app.data.rule_reward_s_per_token). Planning a config before its model files are here keeps the
-planner's default rate for that call.
+The reward calls are priced as `train` prices them where the actor's tokenizer is on this machine
+(data.tokenizer 'toy' or a directory): a rule reward by how fast its rows decode with that
+tokenizer (app.data.rule_reward_s_per_token); a reward model with a tokenizer of its own, once
+app.run.tokenizer_check has compared the two, at the actor's ids or as re-tokenized text, at the
+ratio measured on the dataset's first prompts where data.path is here too (else 1.0, the text cut
+to the reward model's length). Planning a config before its files are here keeps the planner's
+defaults: the rule reward's default rate, and a reward model with a tokenizer of its own priced as
+text at ratio 1.0. A tokenizer mismatch found on the way ends `plan` as it would end `train`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from app.config import (
     build_problem,
     load_config,
     manual_plan,
+    reward_may_read_text,
     rule_reward_priced,
     search_error,
 )
@@ -90,7 +95,7 @@ def plan_experiment(cfg: ExperimentConfig) -> PlanOutcome:
     """Build the problem, search (or take the manual plan), and refuse plans that cannot run.
     With run.max_staleness > 0 the on-policy graph is planned too (same mode and budget), so the
     report shows both estimates."""
-    problem = priced_as_train(cfg, build_problem(cfg))
+    problem = problem_as_train(cfg)
     manual = manual_plan(cfg, problem)
     result = _search(cfg, problem, manual)
     on_policy = None
@@ -106,18 +111,37 @@ def plan_experiment(cfg: ExperimentConfig) -> PlanOutcome:
     return PlanOutcome(problem, result, report)
 
 
-def priced_as_train(cfg: ExperimentConfig, problem: PlanningProblem) -> PlanningProblem:
-    """`problem` with a rule reward priced by the actor's tokenizer, as preflight prices it, where
-    data.tokenizer is an HF directory on this machine; otherwise unchanged (module docstring)."""
+def problem_as_train(cfg: ExperimentConfig) -> PlanningProblem:
+    """build_problem(cfg) with the reward calls priced as preflight prices them, where the files
+    that pricing reads are on this machine (module docstring)."""
+    reads_text = reward_may_read_text(cfg)
+    problem = build_problem(cfg, 1.0 if reads_text else None)
+    rule = cfg.algorithm != "dpo" and cfg.reward.function is not None and cfg.rollout.env is None
+    if not (reads_text or rule) or (tokenizer := _tokenizer_here(cfg)) is None:
+        return problem
+    if reads_text:  # torch and ray come with app.run: only for a reward model with a tokenizer of its own
+        from app.run.runtime import TOY_TOKENIZER, load_prompt_examples
+        from app.run.tokenizer_check import priced_as_read
+
+        data_here = cfg.data.path == "toy" or Path(cfg.data.path).is_file()
+        examples = load_prompt_examples(cfg, tokenizer, needs_answer=False) if data_here else []
+        worker_tokenizer = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
+        problem, _ = priced_as_read(cfg, problem, worker_tokenizer, examples, int(tokenizer.eos_token_id))
+    if rule and (rate := rule_reward_s_per_token(tokenizer)) is not None:
+        problem = rule_reward_priced(problem, rate)
+    return problem
+
+
+def _tokenizer_here(cfg: ExperimentConfig) -> Any | None:
+    """data.tokenizer loaded where it is 'toy' or a directory on this machine, else None (a hub
+    name or a directory not downloaded yet: the plan keeps the planner's defaults)."""
     source = cfg.data.tokenizer
-    if cfg.reward.function is None or cfg.rollout.env is not None or not Path(source).is_dir():
-        return problem
+    if source != "toy" and not Path(source).is_dir():
+        return None
     try:
-        tokenizer = load_tokenizer(source)
-    except ValueError:  # train names the directory's fault; the plan keeps the default rate
-        return problem
-    rate = rule_reward_s_per_token(tokenizer)
-    return problem if rate is None else rule_reward_priced(problem, rate)
+        return load_tokenizer(source)
+    except ValueError:  # train names the directory's fault; the plan keeps the defaults
+        return None
 
 
 def _search(cfg: ExperimentConfig, problem: PlanningProblem, manual: ExecutionPlan | None) -> SearchResult:

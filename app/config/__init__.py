@@ -24,7 +24,13 @@ from app.config.checks import (
 from app.config.errors import ConfigError
 from app.config.experiment import ExperimentConfig, ModelSource, load_config
 from app.config.files import load_yaml, read_utf8
-from app.config.preflight import check_model_dir, check_out_path, check_tokenizer_dir, model_tokenizer
+from app.config.preflight import (
+    check_model_dir,
+    check_out_path,
+    check_tokenizer_dir,
+    model_tokenizer,
+    reward_may_read_text,
+)
 from app.config.problem import build_problem, manual_plan, model_spec, role_sources, rule_reward_priced, search_error
 
 __all__ = [
@@ -39,5 +45,5 @@ __all__ = [
     # problem.py
     "build_problem", "manual_plan", "model_spec", "role_sources", "rule_reward_priced", "search_error",
     # preflight.py
-    "check_model_dir", "check_out_path", "check_tokenizer_dir", "model_tokenizer",
+    "check_model_dir", "check_out_path", "check_tokenizer_dir", "model_tokenizer", "reward_may_read_text",
 ]

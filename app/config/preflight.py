@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.config.experiment import ConfigError, ModelSource
+from app.config.experiment import ConfigError, ExperimentConfig, ModelSource
+from app.config.problem import reward_is_model_free, role_sources
 from planning.models import ModelSpec, param_specs
 
 SINGLE_FILE = "model.safetensors"
@@ -149,6 +150,19 @@ def model_tokenizer(source: ModelSource) -> str | None:
     return None
 
 
+def reward_may_read_text(cfg: ExperimentConfig) -> bool:
+    """Whether the reward calls may read text rather than the actor's ids: a reward model, not the
+    actor's own, that states a tokenizer (`model_tokenizer`). Whether it does is known only once
+    the two tokenizers are compared (app.run.tokenizer_check); until then its sequences are priced
+    as text cut to its own length (build_problem's reward_token_ratio), so a reward model with
+    fewer positions than the actor's sequences is not refused before that comparison."""
+    if cfg.algorithm == "dpo" or reward_is_model_free(cfg):
+        return False
+    sources = role_sources(cfg)
+    reward, actor = sources["reward"][1], sources["actor"][1]
+    return reward != actor and model_tokenizer(reward) is not None
+
+
 def check_out_path(field: str, value: str) -> Path:
     """An output file path whose directory exists (and which is not itself a directory)."""
     path = Path(value)
@@ -162,5 +176,5 @@ def check_out_path(field: str, value: str) -> Path:
 
 __all__ = [
     "check_model_dir", "check_out_path", "check_tokenizer_dir", "has_tokenizer_files", "model_tensor_problems",
-    "model_tokenizer", "safetensors_header", "weight_files",
+    "model_tokenizer", "reward_may_read_text", "safetensors_header", "weight_files",
 ]

@@ -45,6 +45,7 @@ from app.config import (
     check_tokenizer_dir,
     manual_plan,
     model_spec,
+    reward_may_read_text,
     role_sources,
     rule_reward_priced,
     search_error,
@@ -62,7 +63,7 @@ from app.data import (
 )
 from app.run.cluster_check import check_local_start, planner_nodes
 from app.run.schedule import home_placements, realloc_member_sets
-from app.run.tokenizer_check import check_tokenizers
+from app.run.tokenizer_check import priced_as_read
 from cluster.collective import list_process_groups
 from cluster.placement import WorkerGroup, create_workers
 from cluster.resources import RayClusterInfo, RayStartOptions, connect
@@ -108,14 +109,16 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
     if cfg.algorithm not in RUNTIME_ALGORITHMS:
         raise ConfigError("algorithm", cfg.algorithm, ", ".join(RUNTIME_ALGORITHMS) + " (the algorithms `train` runs)",
                           problem="not supported by train yet")
-    problem = build_problem(cfg)  # cluster too small for the models: ConfigError("cluster", ...)
-    manual = manual_plan(cfg, problem)
+    # Cluster too small for the models: ConfigError("cluster", ...). A reward model that may read
+    # text is cut to its own length until the tokenizers are compared (priced_as_read).
+    problem = build_problem(cfg, 1.0 if reward_may_read_text(cfg) else None)
+    manual_plan(cfg, problem)  # a bad plan.manual named before the files are read
     dpo, multi_turn = cfg.algorithm == "dpo", cfg.rollout.env is not None
     tokenizer = _load_tokenizer(cfg)
     if multi_turn:  # the environments score the trajectories: no reward function, no reward model
         cfg = _check_env(cfg, tokenizer)
     reward_fn = None if dpo or multi_turn else _check_reward(cfg)  # DPO has no reward call
-    examples = _load_preferences(cfg, tokenizer) if dpo else _load_dataset(cfg, tokenizer, needs_answer=False)
+    examples = _load_preferences(cfg, tokenizer) if dpo else load_prompt_examples(cfg, tokenizer, needs_answer=False)
     tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     try:
@@ -130,17 +133,14 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         if model.hf_dir is not None:
             check_model_dir(f"{sources[role][0]}.path", model.hf_dir, model.spec, model.critic)
     # Every model reading the actor's ids against its tokenizer; a reward model with another one reads text.
-    reward_text = check_tokenizers(cfg, {role: m.spec for role, m in models.items()}, tokenizer_spec, examples, eos)
+    problem, reward_text = priced_as_read(cfg, problem, tokenizer_spec, examples, eos)
     if reward_text is not None:  # priced at its own token counts, run through the text bridge
-        problem = build_problem(cfg, reward_text.ratio, reward_text.extra_tokens)
-        manual = manual_plan(cfg, problem)
         settings = replace(settings, rollout=replace(settings.rollout, reward_text=reward_text.params))
     # A rule reward's rows decode faster through a byte-level tokenizer's byte table.
     if reward_fn is not None and (rate := rule_reward_s_per_token(tokenizer)) is not None:
         problem = rule_reward_priced(problem, rate)
-        manual = manual_plan(cfg, problem)
     return TrainInputs(
-        cfg=cfg, problem=problem, manual=manual, models=models,
+        cfg=cfg, problem=problem, manual=manual_plan(cfg, problem), models=models,
         examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,
         settings=settings,
     )
@@ -204,7 +204,9 @@ def _load_tokenizer(cfg: ExperimentConfig) -> Any:
                           problem=str(exc)) from None
 
 
-def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
+def load_prompt_examples(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
+    """data.path's prompts, encoded by `tokenizer`; ConfigError naming the file, the line or
+    batch.prompts when it cannot be read or holds too few."""
     d = cfg.data
     if d.path != "toy" and not Path(d.path).is_file():
         raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file", problem="no such file")
@@ -355,6 +357,7 @@ def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models", "optimizer_params",
-    "plan_groups", "preflight", "role_models", "search_plan_now", "setup_groups", "start_workers",
+    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models",
+    "load_prompt_examples", "optimizer_params", "plan_groups", "preflight", "role_models", "search_plan_now",
+    "setup_groups", "start_workers",
 ]

@@ -29,8 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.config import ConfigError, ExperimentConfig, ModelSource, check_tokenizer_dir, model_tokenizer, role_sources
+from app.config import (
+    ConfigError,
+    ExperimentConfig,
+    ModelSource,
+    build_problem,
+    check_tokenizer_dir,
+    model_tokenizer,
+    reward_may_read_text,
+    role_sources,
+)
 from app.data import REWARD_TEXT, PromptExample, RewardText, TokenizerInfo, tokenizer_info
+from planning.cost import PlanningProblem
 from planning.models import ModelSpec
 
 RATIO_SAMPLE = 256  # prompts the reward-token ratio is measured on (the dataset's first ones)
@@ -84,6 +94,19 @@ def check_tokenizers(cfg: ExperimentConfig, specs: dict[str, ModelSpec], worker_
             field, source = sources[role]
             plan = reward_text_plan(field, source, specs[role], own, worker_tokenizer, eos_token_id, examples)
     return plan
+
+
+def priced_as_read(cfg: ExperimentConfig, problem: PlanningProblem, worker_tokenizer: str,
+                   examples: Sequence[Any], eos_token_id: int | None) -> tuple[PlanningProblem, RewardTextPlan | None]:
+    """`check_tokenizers` over the roles of `problem` (built by `build_problem(cfg)`, or with ratio
+    1.0 where `reward_may_read_text`), then the problem as its reward calls read: re-tokenized
+    text at the measured ratio, or the actor's ids (rebuilt, so the reward model's positions are
+    checked against the actor's sequences). Returns the problem and the text bridge, if any."""
+    specs = {role: problem.models[role].spec for role in problem.graph.model_roles}
+    reward_text = check_tokenizers(cfg, specs, worker_tokenizer, examples, eos_token_id)
+    if reward_text is not None:
+        return build_problem(cfg, reward_text.ratio, reward_text.extra_tokens), reward_text
+    return (build_problem(cfg) if reward_may_read_text(cfg) else problem), None
 
 
 def _check_actor(cfg: ExperimentConfig, actor_role: tuple[str, ModelSource], spec: ModelSpec) -> TokenizerInfo:
@@ -171,4 +194,4 @@ def reward_text_plan(field: str, source: ModelSource, spec: ModelSpec, info: Tok
     return RewardTextPlan({"bridge": REWARD_TEXT, **kwargs}, ratio, extra)
 
 
-__all__ = ["RATIO_SAMPLE", "RewardTextPlan", "check_tokenizers", "describe", "reward_text_plan"]
+__all__ = ["RATIO_SAMPLE", "RewardTextPlan", "check_tokenizers", "describe", "priced_as_read", "reward_text_plan"]

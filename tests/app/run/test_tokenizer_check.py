@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
+from app.cli.plan import plan_experiment
 from app.cli.train import DEFAULT_CONFIG
 from app.config import build_problem, load_config
 from app.run import preflight
@@ -32,7 +33,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     build_reward_model(root / "rm64", vocab_size=64, tokenizer=False)  # weights only
     build_other_tokenizer(root / "other_tok")
     build_tiny_chat_model(root / "qwen")  # an actor directory with its own (Qwen-style) tokenizer
-    return {name: root / name for name in ("rm", "rm_plain", "rm64", "other_tok", "qwen")}
+    build_reward_model(root / "rm16", max_positions=16)  # fewer positions than the toy task's 24 tokens
+    build_reward_model(root / "rm16_ids", vocab_size=256, tokenizer=False, max_positions=16)
+    return {name: root / name for name in ("rm", "rm_plain", "rm64", "other_tok", "qwen", "rm16", "rm16_ids")}
 
 
 @pytest.fixture
@@ -67,6 +70,9 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "critic_chat_template": (["models.critic.chat_template=false"], ("models.critic.chat_template",)),
     "reward_tokenizer_missing": (["reward.function=null", "models.reward.path={rm64}",
                                   "models.reward.tokenizer={rm64}/none"], ("models.reward.tokenizer",)),
+    # Reading the actor's ids as they are, its 16 positions cannot hold the 16 + 8 tokens of a sequence.
+    "reward_ids_too_few_positions": (["reward.function=null", "models.reward.path={rm16_ids}"],
+                                     ("batch.gen_len", "<= 16 (max positions of models.reward)")),
 }
 
 
@@ -112,3 +118,26 @@ def test_one_tokenizer_keeps_the_problem_and_the_params() -> None:
     cfg = load_config(DEFAULT_CONFIG, ["reward.function=null"])  # the critic's shape as the reward model
     inputs = preflight(cfg)
     assert inputs.problem == build_problem(cfg) and "reward_text" not in inputs.settings.rollout.reward_params()
+
+
+def test_a_reward_model_reading_text_may_have_fewer_positions_than_the_actors_sequences(
+        dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Its text is cut to its own length, so its positions are checked only against that: train
+    takes it, and `plan` prices its calls as train does (the ratio measured on the same prompts)."""
+    overrides = ["reward.function=null", f"models.reward.path={dirs['rm16']}", "plan.seconds=1"]
+    cfg = load_config(DEFAULT_CONFIG, overrides)
+    assert cfg.batch.prompt_len + cfg.batch.gen_len > 16
+    trained = preflight(cfg)
+    assert trained.settings.rollout.reward_text["max_length"] == 16
+    assert trained.problem.graph.mfc("rew_inf").batch.seq_len == 16
+    assert plan_experiment(cfg).problem == trained.problem
+    # Before the dataset is here, plan prices the text at one token per actor token, cut to 16.
+    absent = load_config(DEFAULT_CONFIG, [*overrides, f"data.path={tmp_path / 'not-here.jsonl'}"])
+    planned = plan_experiment(absent).problem
+    assert planned == build_problem(absent, 1.0) and planned.graph.mfc("rew_inf").batch.seq_len == 16
+    assert planned != trained.problem  # the measured ratio and the template's tokens moved the shape
+
+
+def test_plan_prices_a_reward_model_with_its_own_tokenizer_as_train_does(dirs: dict[str, Path]) -> None:
+    cfg = load_config(DEFAULT_CONFIG, ["reward.function=null", f"models.reward.path={dirs['rm']}", "plan.seconds=1"])
+    assert plan_experiment(cfg).problem == preflight(cfg).problem != build_problem(cfg)
