@@ -120,13 +120,9 @@ def problem_as_train(cfg: ExperimentConfig) -> PlanningProblem:
     if not (reads_text or rule) or (tokenizer := _tokenizer_here(cfg)) is None:
         return problem
     if reads_text:  # torch and ray come with app.run: only for a reward model with a tokenizer of its own
-        from app.run.runtime import TOY_TOKENIZER, load_prompt_examples
-        from app.run.tokenizer_check import priced_as_read
+        from app.run import reward_model_priced
 
-        data_here = cfg.data.path == "toy" or Path(cfg.data.path).is_file()
-        examples = load_prompt_examples(cfg, tokenizer, needs_answer=False) if data_here else []
-        worker_tokenizer = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
-        problem, _ = priced_as_read(cfg, problem, worker_tokenizer, examples, int(tokenizer.eos_token_id))
+        problem = reward_model_priced(cfg, problem, tokenizer)
     if rule and (rate := rule_reward_s_per_token(tokenizer)) is not None:
         problem = rule_reward_priced(problem, rate)
     return problem

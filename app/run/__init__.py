@@ -30,7 +30,7 @@ from app.run.driver import Driver
 from app.run.jobs import LayoutJob, column, generate_on_ray
 from app.run.recovery import DriverError
 from app.run.resume import check_run_dir
-from app.run.runtime import preflight
+from app.run.runtime import preflight, reward_model_priced
 
 __all__ = [
     # checkpoint.py
@@ -40,7 +40,7 @@ __all__ = [
     # recovery.py
     "DriverError",
     # runtime.py
-    "preflight",
+    "preflight", "reward_model_priced",
     # driver.py
     "Driver",
     # jobs.py

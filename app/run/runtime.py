@@ -118,7 +118,7 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
     if multi_turn:  # the environments score the trajectories: no reward function, no reward model
         cfg = _check_env(cfg, tokenizer)
     reward_fn = None if dpo or multi_turn else _check_reward(cfg)  # DPO has no reward call
-    examples = _load_preferences(cfg, tokenizer) if dpo else load_prompt_examples(cfg, tokenizer, needs_answer=False)
+    examples = _load_preferences(cfg, tokenizer) if dpo else _load_dataset(cfg, tokenizer, needs_answer=False)
     tokenizer_spec = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     try:
@@ -144,6 +144,17 @@ def preflight(cfg: ExperimentConfig) -> TrainInputs:
         examples=examples, tokenizer_spec=tokenizer_spec, reward_fn=reward_fn, eos_token_id=eos, pad_token_id=pad,
         settings=settings,
     )
+
+
+def reward_model_priced(cfg: ExperimentConfig, problem: PlanningProblem, tokenizer: Any) -> PlanningProblem:
+    """`problem` (built with `reward_may_read_text`'s ratio) with the reward model's calls priced as
+    preflight prices them, for `python -m app plan`: the tokenizers compared (`priced_as_read`),
+    the token ratio measured on data.path's prompts where that file is on this machine, else 1.0.
+    `tokenizer`: data.tokenizer, loaded. Raises ConfigError where train would."""
+    data_here = cfg.data.path == "toy" or Path(cfg.data.path).is_file()
+    examples = _load_dataset(cfg, tokenizer, needs_answer=False) if data_here else []
+    worker_tokenizer = TOY_TOKENIZER if cfg.data.tokenizer == "toy" else cfg.data.tokenizer
+    return priced_as_read(cfg, problem, worker_tokenizer, examples, int(tokenizer.eos_token_id))[0]
 
 
 def role_models(cfg: ExperimentConfig, problem: PlanningProblem) -> dict[str, RoleModel]:
@@ -204,9 +215,7 @@ def _load_tokenizer(cfg: ExperimentConfig) -> Any:
                           problem=str(exc)) from None
 
 
-def load_prompt_examples(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
-    """data.path's prompts, encoded by `tokenizer`; ConfigError naming the file, the line or
-    batch.prompts when it cannot be read or holds too few."""
+def _load_dataset(cfg: ExperimentConfig, tokenizer: Any, needs_answer: bool) -> list[PromptExample]:
     d = cfg.data
     if d.path != "toy" and not Path(d.path).is_file():
         raise ConfigError("data.path", d.path, "'toy' or an existing JSONL / Parquet file", problem="no such file")
@@ -357,7 +366,7 @@ def optimizer_params(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models",
-    "load_prompt_examples", "optimizer_params", "plan_groups", "preflight", "role_models", "search_plan_now",
-    "setup_groups", "start_workers",
+    "RoleModel", "TOY_TOKENIZER", "TrainInputs", "connect_cluster", "init_world", "load_models", "optimizer_params",
+    "plan_groups", "preflight", "reward_model_priced", "role_models", "search_plan_now", "setup_groups",
+    "start_workers",
 ]
