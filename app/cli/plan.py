@@ -5,14 +5,15 @@ the per-call table, the estimated iteration time beside the symmetric baseline, 
 time. `plan_experiment` is the reusable part (training searches the same way, from
 app.run.runtime.preflight's problem).
 
-The reward calls are priced as `train` prices them where the actor's tokenizer is on this machine
-(data.tokenizer 'toy' or a directory): a rule reward by how fast its rows decode with that
-tokenizer (app.data.rule_reward_s_per_token); a reward model with a tokenizer of its own, once
-app.run.tokenizer_check has compared the two, at the actor's ids or as re-tokenized text, at the
-ratio measured on the dataset's first prompts where data.path is here too (else 1.0, the text cut
-to the reward model's length). Planning a config before its files are here keeps the planner's
-defaults: the rule reward's default rate, and a reward model with a tokenizer of its own priced as
-text at ratio 1.0. A tokenizer mismatch found on the way ends `plan` as it would end `train`.
+The reward calls are priced as `train` prices them where the files that pricing reads are on this
+machine. A rule reward, where data.tokenizer is 'toy' or a directory here: by how fast its rows
+decode with that tokenizer (app.data.rule_reward_s_per_token). A reward model with a tokenizer of
+its own, where data.tokenizer and every tokenizer the models name are here: once
+app.run.tokenizer_check has compared them, at the actor's ids or as re-tokenized text, at the
+ratio measured on the dataset's first prompts (1.0 while data.path is not here yet). Planning a
+config before its files are here keeps the planner's defaults: the rule reward's default rate,
+and a reward model with a tokenizer of its own priced as text at ratio 1.0, cut to its length. A
+tokenizer mismatch found on the way ends `plan` as it would end `train`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from app.config import (
     build_problem,
     load_config,
     manual_plan,
+    model_tokenizer,
     reward_may_read_text,
+    role_sources,
     rule_reward_priced,
     search_error,
 )
@@ -119,7 +122,7 @@ def problem_as_train(cfg: ExperimentConfig) -> PlanningProblem:
     rule = cfg.algorithm != "dpo" and cfg.reward.function is not None and cfg.rollout.env is None
     if not (reads_text or rule) or (tokenizer := _tokenizer_here(cfg)) is None:
         return problem
-    if reads_text:  # torch and ray come with app.run: only for a reward model with a tokenizer of its own
+    if reads_text and _model_tokenizers_here(cfg):  # torch and ray come with app.run: only for this case
         from app.run import reward_model_priced
 
         problem = reward_model_priced(cfg, problem, tokenizer)
@@ -138,6 +141,13 @@ def _tokenizer_here(cfg: ExperimentConfig) -> Any | None:
         return load_tokenizer(source)
     except ValueError:  # train names the directory's fault; the plan keeps the defaults
         return None
+
+
+def _model_tokenizers_here(cfg: ExperimentConfig) -> bool:
+    """Whether every tokenizer the models state (`model_tokenizer`) is a directory on this machine,
+    so that comparing them with data.tokenizer finds faults, not files still to download."""
+    named = (model_tokenizer(source) for _, source in role_sources(cfg).values())
+    return all(name is None or Path(name).expanduser().is_dir() for name in named)
 
 
 def _search(cfg: ExperimentConfig, problem: PlanningProblem, manual: ExecutionPlan | None) -> SearchResult:

@@ -136,6 +136,9 @@ def test_a_reward_model_reading_text_may_have_fewer_positions_than_the_actors_se
     planned = plan_experiment(absent).problem
     assert planned == build_problem(absent, 1.0) and planned.graph.mfc("rew_inf").batch.seq_len == 16
     assert planned != trained.problem  # the measured ratio and the template's tokens moved the shape
+    # Nor is a reward tokenizer still to download a fault: the same default.
+    later = load_config(DEFAULT_CONFIG, [*overrides, f"models.reward.tokenizer={tmp_path / 'rm-tokenizer'}"])
+    assert plan_experiment(later).problem == build_problem(later, 1.0)
 
 
 def test_plan_prices_a_reward_model_with_its_own_tokenizer_as_train_does(dirs: dict[str, Path]) -> None:
