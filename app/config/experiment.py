@@ -340,6 +340,25 @@ def _section_type(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+def _check_reward_model_used(cfg: ExperimentConfig) -> None:
+    """A models.reward that no call would load is refused: with a rule reward (reward.function,
+    on by default), the environments' rewards or DPO, the run would score without it and say
+    nothing."""
+    source = cfg.models.reward
+    if source is None:
+        return
+    value = source.preset if source.preset is not None else source.path
+    if cfg.algorithm == "dpo":
+        raise ConfigError("models.reward", value, "unset for dpo, which has no reward call")
+    if cfg.rollout.env is not None:
+        raise ConfigError("models.reward", value, f"unset: the environments of rollout.env={cfg.rollout.env!r} "
+                          "score the trajectories")
+    if cfg.reward.function is not None:
+        raise ConfigError("models.reward", value, "reward.function: null (to score with this reward model), or "
+                          "no models.reward", problem=f"reward.function={cfg.reward.function!r} (a rule, the "
+                          "default) scores the responses, so no reward model would load")
+
+
 def _check_cross_fields(cfg: ExperimentConfig) -> None:
     """Checks that involve more than one field."""
     if cfg.plan.mode == "manual" and not cfg.plan.manual:
@@ -352,6 +371,7 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
             if source is not None and getattr(source, name) is not None:
                 raise ConfigError(f"models.{role}.{name}", getattr(source, name),
                                   f"unset: only models.reward reads {name} (when its tokenizer is not the actor's)")
+    _check_reward_model_used(cfg)
     gpu = cfg.cluster.gpu
     if cfg.sampling.fp8 and not (HARDWARE_PRESETS[gpu].fp8_matmul or gpu == "cpu" or cfg.cluster.virtual_gpus):
         with_fp8 = ", ".join(name for name, spec in HARDWARE_PRESETS.items() if spec.fp8_matmul)

@@ -96,6 +96,9 @@ def parquet_without_prompt(path: Path) -> Path:
     return path
 
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
 def train(*overrides: str, config: str = str(DEFAULT_CONFIG)) -> list[str]:
     return ["train", config, *overrides]
 
@@ -179,6 +182,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "minibatches_divide": (lambda t: train("batch.ppo_minibatches=3"), "batch.ppo_minibatches"),
     "more_prompts_than_data": (lambda t: train("batch.prompts=5000", "plan.mode=heuristic"), "batch.prompts"),
     "cluster_too_small": (lambda t: train("models.actor={preset: llama-70b}", "plan.mode=search"), "cluster="),
+    # A reward model no call would load: the rule reward (the default) scores, or DPO has no reward call.
+    "reward_model_beside_a_rule": (lambda t: train("models.reward.preset=tiny-critic"), "reward.function: null"),
+    "reward_model_in_dpo": (lambda t: train("models.reward.preset=tiny-critic", config=str(EXAMPLES / "dpo-tiny.yaml")),
+                            "unset for dpo"),
     # ---- overrides and flags of train
     "override_no_key": (lambda t: train("=5"), "override"),
     "override_empty_part": (lambda t: train("run..name=x"), "override"),
