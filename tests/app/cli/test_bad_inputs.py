@@ -186,6 +186,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "reward_model_beside_a_rule": (lambda t: train("models.reward.preset=tiny-critic"), "reward.function: null"),
     "reward_model_in_dpo": (lambda t: train("models.reward.preset=tiny-critic", config=str(EXAMPLES / "dpo-tiny.yaml")),
                             "unset for dpo"),
+    "reward_model_under_env": (lambda t: train("models.reward.preset=tiny-critic",
+                                               config=str(EXAMPLES / "grpo-tool-tiny.yaml")), "environments of rollout.env"),
     # ---- overrides and flags of train
     "override_no_key": (lambda t: train("=5"), "override"),
     "override_empty_part": (lambda t: train("run..name=x"), "override"),
