@@ -63,7 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from benchmarks.peer_floor import H200, floor_lines
+from benchmarks.peer_floor import H200, floor_lines, target_lines
 from benchmarks.peer_setup import PeerInputs, build_inputs
 from benchmarks.peer_trl import SideResult, TrlSettings, run_trl
 from benchmarks.run_dirs import fresh_run_dir
@@ -211,6 +211,9 @@ def table(results: list[SideResult], work: Work, model: str, floor_spec: ModelSp
     if floor_spec is not None:
         ours = {r.name: r.seconds_per_step for r in results if r.name.startswith("realray") and not r.error}
         lines += floor_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, ours, hardware)
+        phases = {r.name: (r.calls["actor_train"], r.phases["gen/decode_s"]) for r in results
+                  if r.name in ours and r.calls.get("actor_train") and r.phases.get("gen/decode_s")}
+        lines += target_lines(floor_spec, work.prompts, work.group, work.prompt_len, work.gen_len, phases, hardware)
     lines += [f"{r.name}: {r.settings}" for r in results if r.settings]
     return "\n".join(lines)
 

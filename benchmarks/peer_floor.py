@@ -15,6 +15,15 @@ included, the embedding lookup not), R = prompts x group rows, prompt length p, 
     reward    a rule on the host: no GPU work
     training  one forward and backward over every token, 3x the forward's FLOPs
 
+The issue's two targets per phase are printed from the same counts (`target_lines`): the training
+call's MFU, the FLOPs of one forward and backward with each prompt once (what the engine runs:
+a group's prompt once per micro-batch, and micro-batches hold whole groups) over the call's
+seconds at the peak; and decode's share of its HBM roofline, the n - 1 steps each streaming the
+bf16 weights and reading every row's K/V whole at context p + i (1.06 s on the H200 at the peer
+bench's shape, the roofline the issue's decode target has been measured against since its second
+step; FP8 rows are set against it too, as the fifteenth step's 61.9% was), over the measured
+decode phase.
+
 Two variants: "every row whole" counts each row's prompt in the prefill, in the K/V reads and
 in training, as an engine that shares nothing does; "each prompt once" counts a group's prompt
 once (this project's shared prompts: one prefill, the cascade decode attention, one copy per
@@ -81,6 +90,31 @@ def step_floor(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_l
                      training_s=3.0 * (prompt_flops + response_flops) / peak_flops)
 
 
+def decode_hbm_roofline_s(spec: ModelSpec, rows: int, prompt_len: int, gen_len: int,
+                          hardware: HardwareSpec = H200) -> float:
+    """Decode's HBM-only time: gen_len - 1 steps, step i streaming the bf16 weights once and
+    reading the cached K/V of every row at context prompt_len + i (module docstring)."""
+    kv_bytes_per_token = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * BF16_BYTES
+    steps = gen_len - 1
+    cached = rows * (steps * prompt_len + steps * gen_len / 2)  # sum over i = 1..n-1 of rows * (p + i)
+    return (steps * BF16_BYTES * matmul_params(spec) + cached * kv_bytes_per_token) / hardware.hbm_bw
+
+
+def target_lines(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_len: int,
+                 measured: dict[str, tuple[float, float]], hardware: HardwareSpec = H200) -> list[str]:
+    """One line per system of `measured` ({system: (training call s, decode phase s)}): the
+    training call's MFU and decode's share of the HBM roofline (module docstring)."""
+    train_flops = step_floor(spec, prompts, group, prompt_len, gen_len, True, hardware).training_s * hardware.peak_flops
+    roofline_s = decode_hbm_roofline_s(spec, prompts * group, prompt_len, gen_len, hardware)
+    lines = []
+    for name, (train_s, decode_s) in measured.items():
+        mfu = train_flops / (train_s * hardware.peak_flops)
+        lines.append(f"{name}: training call {100 * mfu:.1f}% MFU ({train_flops / 1e15:.2f} PFLOP in {train_s:.2f} s "
+                     f"at {hardware.peak_flops / 1e12:.0f} TFLOP/s); decode {100 * roofline_s / decode_s:.1f}% of "
+                     f"the HBM roofline ({roofline_s:.2f} s at {hardware.hbm_bw / 1e12:.2f} TB/s, decode {decode_s:.3f} s)")
+    return lines
+
+
 def floor_lines(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_len: int,
                 steps: dict[str, float], hardware: HardwareSpec = H200) -> list[str]:
     """The table's floor lines at `hardware`'s ceilings: both variants, then each of `steps`
@@ -94,4 +128,7 @@ def floor_lines(spec: ModelSpec, prompts: int, group: int, prompt_len: int, gen_
     return lines
 
 
-__all__ = ["H200", "HBM_BYTES_PER_S", "PEAK_FLOPS", "StepFloor", "floor_lines", "matmul_params", "step_floor"]
+__all__ = [
+    "H200", "HBM_BYTES_PER_S", "PEAK_FLOPS", "StepFloor", "decode_hbm_roofline_s", "floor_lines", "matmul_params",
+    "step_floor", "target_lines",
+]

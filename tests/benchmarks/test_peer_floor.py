@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peer_bench import GPU_WORK, local_gpu_preset, table
-from benchmarks.peer_floor import HBM_BYTES_PER_S, PEAK_FLOPS, matmul_params, step_floor
+from benchmarks.peer_floor import HBM_BYTES_PER_S, PEAK_FLOPS, decode_hbm_roofline_s, matmul_params, step_floor
 from benchmarks.peer_trl import SideResult
 from planning.hardware import hardware_preset
 from planning.models import model_preset
@@ -54,6 +54,24 @@ def test_the_table_prints_both_floors_and_our_step_against_them() -> None:
     assert f"every row whole {whole:.2f} s" in text and f"each prompt once {once:.2f} s" in text
     assert f"realray GRPO: step 6.50 s = {6.5 / whole:.2f}x / {6.5 / once:.2f}x the two floors" in text
     assert "floor at" not in table([ours], GPU_WORK, "tiny")  # no spec (CPU): no floor
+
+
+def test_the_decode_roofline_is_the_issues_1_06_s_and_the_table_prints_both_targets() -> None:
+    """Issue 27's decode target has been measured against 1.06 s since its second step: 511 steps
+    each streaming 2.47 GB of weights and 6.44 GB of K/V on average at 4.3 TB/s."""
+    P = matmul_params(SPEC)
+    by_hand = 511 * (2 * P + 512 * (128 + 256) * 32768) / HBM_BYTES_PER_S
+    assert decode_hbm_roofline_s(SPEC, 512, 128, 512) == pytest.approx(by_hand, rel=1e-9)
+    assert by_hand == pytest.approx(1.06, abs=0.005)
+    ours = SideResult("realray GRPO", step_s=[6.5], tokens=[262_000], calls={"actor_gen": 2.3, "actor_train": 4.0},
+                      phases={"gen/decode_s": 2.12})
+    text = table([ours], GPU_WORK, "Llama-3.2-1B shape", SPEC)
+    train_flops = step_floor(SPEC, 64, 8, 128, 512, prompt_once=True).training_s * PEAK_FLOPS
+    mfu, share = 100 * train_flops / (4.0 * PEAK_FLOPS), 100 * by_hand / 2.12
+    assert f"realray GRPO: training call {mfu:.1f}% MFU" in text and f"decode {share:.1f}% of the HBM roofline" in text
+    assert 60 < mfu < 70 and 49 < share < 51
+    # Without a decode phase (a failed or CPU run) there is nothing to set against it.
+    assert "MFU" not in table([SideResult("realray GRPO", step_s=[6.5], tokens=[1])], GPU_WORK, "x", SPEC)
 
 
 def test_the_floor_at_the_h100_presets_ceilings() -> None:
