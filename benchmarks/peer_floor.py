@@ -16,9 +16,9 @@ included, the embedding lookup not), R = prompts x group rows, prompt length p, 
     training  one forward and backward over every token, 3x the forward's FLOPs
 
 The issue's two targets per phase are printed from the same counts (`target_lines`): the training
-call's MFU, the FLOPs of one forward and backward with each prompt once (what the engine runs:
-a group's prompt once per micro-batch, and micro-batches hold whole groups) over the call's
-seconds at the peak; and decode's share of its HBM roofline, the n - 1 steps each streaming the
+call's MFU, the FLOPs of one forward and backward with each prompt once (what the engine runs,
+but for a group cut at a micro-batch boundary, whose prompt it runs in both: a slight
+underestimate) over the call's seconds at the peak; and decode's share of its HBM roofline, the n - 1 steps each streaming the
 bf16 weights and reading every row's K/V whole at context p + i (1.06 s on the H200 at the peer
 bench's shape, the roofline the issue's decode target has been measured against since its second
 step; FP8 rows are set against it too, as the fifteenth step's 61.9% was), over the measured
