@@ -31,11 +31,13 @@ and actors.worker.multiturn for multi-turn calls).
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from actors.engine import ModelEngine, ParallelGroups, SequenceBatch
@@ -237,8 +239,9 @@ def retokenized_batch(ctx: CallContext, inputs: Sequence[dict | None], prefix: s
     prompts = cols.get("prompt", [None] * ctx.call.n_rows)
     rows, cut = reward_text_bridge(text).rows(prompts, [t.tolist() for t in cols[f"{prefix}prompt_ids"]],
                                               [t.tolist() for t in cols[f"{prefix}response_ids"]])
-    tokens = torch.tensor([i for row in rows for i in row], dtype=torch.int64)
-    return SequenceBatch(tokens, tuple(len(row) for row in rows)), cut
+    lengths = tuple(len(row) for row in rows)
+    tokens = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=sum(lengths))  # [sum(lengths)]
+    return SequenceBatch(torch.from_numpy(tokens), lengths), cut
 
 
 def reward_text_bridge(text: dict[str, Any]) -> Any:

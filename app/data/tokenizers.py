@@ -150,7 +150,8 @@ class RewardText:
         return self.actor.decode(self._before_eos(ids), skip_special_tokens=True)
 
     def _before_eos(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
+        # A list is taken as Python ints (what the worker's `.tolist()` gives); anything else is converted.
+        ids = ids if isinstance(ids, list) else [int(i) for i in ids]
         if self.eos_token_id is not None and self.eos_token_id in ids:
             ids = ids[:ids.index(self.eos_token_id)]
         return ids
@@ -178,12 +179,26 @@ class RewardText:
         in one call (a fast one in parallel in its Rust backend, ids as one text at a time)."""
         if isinstance(self.reward, CharTokenizer):
             encoded = [self.reward.encode(text, add_bos=not self.chat_template) for text in texts]
+        elif (backend := self._plain_backend()) is not None:
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: no offsets (tokenizers >= 0.21)
+            encoded = [enc.ids for enc in encode(texts, add_special_tokens=not self.chat_template)]
         else:
             encoded = [list(ids) for ids in self.reward(texts, add_special_tokens=not self.chat_template)["input_ids"]]
         # An empty text without specials: the score is read at a lone special token.
         fallback = next((getattr(self.reward, n, None) for n in ("bos_token_id", "eos_token_id", "pad_token_id")
                          if getattr(self.reward, n, None) is not None), 0)
         return [ids if ids else [int(fallback)] for ids in encoded]
+
+    def _plain_backend(self) -> Any | None:
+        """The fast reward tokenizer's Rust backend where encoding through it gives what the HF call
+        gives (no truncation or padding set on it, special tokens kept whole as the HF call keeps
+        them): the call's per-row Python conversions skipped, about 60 ms of 512 rows of 640
+        tokens on two cores. None where that is not so: the HF call then encodes."""
+        backend = getattr(self.reward, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return None
+        split = bool(getattr(self.reward, "split_special_tokens", False))
+        return backend if getattr(backend, "encode_special_tokens", False) == split else None
 
     def rows(self, prompts: Sequence[str | None], prompt_ids: Sequence[Sequence[int]],
              response_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:

@@ -89,3 +89,23 @@ def test_reward_text_rows_in_one_batch_are_each_row_alone(tokenizers: dict[str, 
                  for t, p, r in zip(prompts, rows_prompt_ids, responses)]
         assert rows == [ids[-max_length:] for ids in alone] and cut == [len(ids) > max_length for ids in alone]
         assert any(cut) == (not template)
+
+
+def test_the_reward_tokenizers_backend_encodes_as_the_hf_call_does(tokenizers: dict[str, Path]) -> None:
+    """`RewardText` encodes through the fast tokenizer's Rust backend (no per-row conversions)
+    only where that gives the HF call's ids: the same ids with and without a chat template, an
+    added special token in the text kept whole; with truncation set on the backend it takes the
+    HF call, which gives the same rows (and clears that truncation, as it does for every call)."""
+    for reward in ("qwen", "other", "plain"):
+        template = reward == "other"
+        bridge = RewardText(str(tokenizers["qwen"]), str(tokenizers[reward]), chat_template=template, max_length=512)
+        special = bridge.reward.eos_token or ""
+        texts = [bridge.render(p, r) for p, r in (("How many?", "It is 14."), ("Count" + special + " them", "7"),
+                                                  ("", "x"), ("a" * 300, "b b b"))]
+        assert bridge._plain_backend() is not None, reward
+        through_backend = bridge._encode_texts(texts)
+        bridge.reward.backend_tokenizer.enable_truncation(max_length=100_000)
+        assert bridge._plain_backend() is None
+        assert bridge._encode_texts(texts) == through_backend, reward
+        assert bridge._plain_backend() is not None  # the HF call set the backend back to no truncation
+        assert any(bridge.reward.convert_tokens_to_ids(special) in ids for ids in through_backend) == bool(special)
