@@ -98,7 +98,8 @@ class ModelSource(_Section):
 
 
 class ModelsConfig(_Section):
-    """One model per role. ref defaults to actor; reward defaults to critic, else to actor."""
+    """One model per role. ref defaults to actor; reward defaults to critic, else to actor. A
+    reward model given where no call loads one (a rule reward, rollout.env, DPO) is refused."""
 
     actor: ModelSource
     critic: ModelSource | None = None
